@@ -1,0 +1,176 @@
+"""One config schema for the whole stack (omegaconf structured configs).
+
+Defaults live here and nowhere else. YAML files (configs/...) and `key=value` command-line
+overrides are merged on top, in that order:
+
+    cfg = load_config(["configs/model/125m.yaml"], ["model.mixer=s4d", "model.n_layers=2"])
+
+An unknown key, a wrong type or an invalid value raises ConfigError naming the key, the value,
+where it came from and how to fix it. Switches left at None are resolved per mixer by
+`resolve` (see MIXER_DEFAULTS).
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class Mixer(str, Enum):
+    interdomain = "interdomain"
+    softmax = "softmax"
+    s4d = "s4d"
+
+
+class Readout(str, Enum):
+    hermitian = "hermitian"
+    plain = "plain"
+
+
+@dataclass
+class ModelConfig:
+    mixer: Mixer = Mixer.interdomain
+    vocab_size: int = 32000
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    seq_length: int = 4096            # training context; the model itself has no length limit
+    ffn_hidden: Optional[int] = None  # None: ceil((8 d / 3) / ffn_multiple_of) * ffn_multiple_of
+    ffn_multiple_of: int = 128
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    rope_theta: float = 10000.0
+    # interdomain / S4D core
+    state_size: int = 64              # M, basis functions (modes) per head
+    conv_kernel: int = 4              # short causal depthwise conv
+    chunk_size: int = 64              # T of the chunked training form
+    # the ablation cube; None means "the mixer's default" (MIXER_DEFAULTS)
+    query_readout: Optional[bool] = None
+    dual_kv_input: Optional[bool] = None
+    rope: Optional[bool] = None
+    readout: Readout = Readout.hermitian
+    output_gate: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    seed: int = 42
+
+
+# s4d is the interdomain mixer with both ingredients removed; the paper's S4D-only control has
+# no RoPE ("S4D-only + RoPE" is a separate cube cell), so rope defaults to off for it.
+MIXER_DEFAULTS = {
+    Mixer.interdomain: dict(query_readout=True, dual_kv_input=True, rope=True),
+    Mixer.s4d: dict(query_readout=False, dual_kv_input=False, rope=False),
+    Mixer.softmax: dict(query_readout=None, dual_kv_input=None, rope=True),
+}
+# switches that a mixer fixes: setting them to anything else is a contradiction
+MIXER_FIXED = {
+    Mixer.s4d: dict(query_readout=False, dual_kv_input=False),
+    Mixer.softmax: dict(query_readout=None, dual_kv_input=None, output_gate=False,
+                        readout=Readout.hermitian),
+}
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the user: which key, which value, how to fix it."""
+
+
+def _suggest(key: str, node) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    valid = list(node.keys()) if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(leaf, valid, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"{hint} Valid keys here: {', '.join(valid)}." if valid else hint
+
+
+def _describe_error(err: OmegaConfBaseException, source: str, schema) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).splitlines()[0]
+    if "not in" in msg or ("Key '" in msg and "not" in msg):
+        parent = OmegaConf.select(schema, key.rsplit(".", 1)[0]) if "." in key else schema
+        return ConfigError(f"{source}: unknown config key '{key}'.{_suggest(key, parent)}")
+    value = getattr(err, "value", None)
+    enum_hint = ""
+    target = OmegaConf.select(schema, key, default=None) if key != "?" else None
+    if isinstance(target, Enum) and "expected one of" not in msg:
+        enum_hint = f" Allowed values: {', '.join(m.value for m in type(target))}."
+    return ConfigError(f"{source}: invalid value {value!r} for '{key}' ({msg}).{enum_hint}")
+
+
+def _merge(base, other, source: str):
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as err:
+        raise _describe_error(err, source, base) from None
+
+
+def load_config(files=(), overrides=()) -> Config:
+    """Schema defaults <- each YAML file in order <- `key=value` overrides; then validate."""
+    cfg = OmegaConf.structured(Config)
+    for path in files:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist "
+                              f"(looked for {path.resolve()}); pass an existing YAML file.")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as err:   # yaml errors come in several types
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        cfg = _merge(cfg, loaded, str(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command-line override '{item}' is not of the form key=value "
+                              f"(for example model.mixer=softmax).")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override '{item}'")
+    return resolve(OmegaConf.to_object(cfg))
+
+
+def ffn_hidden_size(m: ModelConfig) -> int:
+    if m.ffn_hidden is not None:
+        return m.ffn_hidden
+    return math.ceil((8 * m.d_model / 3) / m.ffn_multiple_of) * m.ffn_multiple_of
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill mixer-dependent defaults and check the values that types alone cannot."""
+    m = cfg.model
+    for key, fixed in MIXER_FIXED.get(m.mixer, {}).items():
+        value = getattr(m, key)
+        if value is not None and value != fixed:
+            raise ConfigError(
+                f"model.{key}={getattr(value, 'value', value)} contradicts model.mixer={m.mixer.value}, "
+                f"which fixes it to {getattr(fixed, 'value', fixed)}; use model.mixer=interdomain "
+                f"to change {key}.")
+    for key, default in MIXER_DEFAULTS[m.mixer].items():
+        if getattr(m, key) is None:
+            setattr(m, key, default)
+    checks = [
+        ("d_model", m.d_model > 0 and m.d_model % m.n_heads == 0,
+         f"must be a positive multiple of model.n_heads={m.n_heads}"),
+        ("n_heads", m.n_heads > 0, "must be positive"),
+        ("n_layers", m.n_layers > 0, "must be positive"),
+        ("vocab_size", m.vocab_size > 0, "must be positive"),
+        ("state_size", m.state_size > 0, "must be positive"),
+        ("conv_kernel", m.conv_kernel >= 1, "must be at least 1"),
+        ("chunk_size", m.chunk_size >= 1, "must be at least 1"),
+        ("seq_length", m.seq_length >= 1, "must be at least 1"),
+        ("norm_eps", m.norm_eps > 0, "must be positive"),
+    ]
+    if (m.d_model // max(m.n_heads, 1)) % 2 and m.rope:
+        checks.append(("n_heads", False, "must leave an even head width for RoPE"))
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"model.{key}={getattr(m, key)} is invalid: it {why}.")
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

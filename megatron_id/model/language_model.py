@@ -1,0 +1,80 @@
+"""The Llama-style decoder shared by every mixer (plain single-device code).
+
+    h = embed(tokens)
+    for each block:  h = h + mixer(RMSNorm(h));  h = h + SwiGLU(RMSNorm(h))
+    logits = lm_head(RMSNorm(h))                 (untied embeddings, no dropout)
+
+Init: N(0, init_std) everywhere, residual output projections (mixer o_proj, SwiGLU w2) with
+init_std / sqrt(2 L) (GPT-2). See init.py for how each parameter gets its own generator.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, ffn_hidden_size
+from .init import initialize
+from .layers import Embedding, Linear, RMSNorm
+from .mixers import build_mixer
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, hidden: int, init_std: float, residual_std: float):
+        super().__init__()
+        self.w1, self.w3 = Linear(d, hidden, init_std), Linear(d, hidden, init_std)
+        self.w2 = Linear(hidden, d, residual_std)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, residual_std: float, form: str):
+        super().__init__()
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(cfg, residual_std, form=form)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, ffn_hidden_size(cfg), cfg.init_std, residual_std)
+
+    def forward(self, h, state=None, return_state=False):
+        out = self.mixer(self.mixer_norm(h), state=state, return_state=return_state)
+        mixed, state = out if return_state else (out, None)
+        h = h + mixed
+        h = h + self.ffn(self.ffn_norm(h))
+        return (h, state) if return_state else h
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, form: str = "chunked", seed: int | None = 42):
+        """form: how interdomain/s4d mixers run full sequences (chunked | recurrent | naive).
+        seed None skips initialisation (meta-device builds, or weights loaded right after)."""
+        super().__init__()
+        self.cfg = cfg
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model, cfg.init_std)
+        self.layers = nn.ModuleList(Block(cfg, residual_std, form) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.init_std)
+        if seed is not None:
+            initialize(self, seed)
+
+    def forward(self, tokens, states=None, return_states=False):
+        """tokens [B, N] -> logits [B, N, V]. `states` (one per layer, from an earlier call with
+        return_states=True) continue a prefix: prefill and decode use the same call."""
+        h = self.embed(tokens)
+        new_states = []
+        for i, layer in enumerate(self.layers):
+            out = layer(h, state=states[i] if states else None, return_state=return_states)
+            h = out[0] if return_states else out
+            if return_states:
+                new_states.append(out[1])
+        logits = self.lm_head(self.norm(h))
+        return (logits, new_states) if return_states else logits
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in float32; labels are the tokens shifted by one."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -1,0 +1,117 @@
+"""Small building blocks shared by every mixer: linear/embedding with a declared init, RMSNorm
+(apex-fused on GPU when importable), RoPE, the SiLU feature map and the short causal conv.
+
+Every module with parameters answers `initial_value(name, shape, generator)`: the full-size
+initial tensor of that parameter, drawn from its own generator (see init.py). That keeps
+initialisation independent of construction order and of any later sharding.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # NVIDIA apex is optional (not on PyPI, CUDA only): fused RMSNorm when importable
+    from apex.normalization.fused_layer_norm import fused_rms_norm_affine as _apex_rms_norm
+except Exception:  # ImportError, or apex built without its CUDA extensions
+    _apex_rms_norm = None
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias and with a declared N(0, init_std) initialisation."""
+
+    def __init__(self, d_in: int, d_out: int, init_std: float):
+        super().__init__(d_in, d_out, bias=False)
+        self.init_std = init_std
+
+    def initial_value(self, name, shape, generator):
+        return torch.randn(shape, generator=generator) * self.init_std
+
+
+class Embedding(nn.Embedding):
+    def __init__(self, vocab: int, dim: int, init_std: float):
+        super().__init__(vocab, dim)
+        self.init_std = init_std
+
+    def initial_value(self, name, shape, generator):
+        return torch.randn(shape, generator=generator) * self.init_std
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for bf16/fp16/fp32 inputs, float64 for float64 (tests compare forms in float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def use_fused_rms_norm(x: torch.Tensor) -> bool:
+    return _apex_rms_norm is not None and x.is_cuda
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def initial_value(self, name, shape, generator):
+        return torch.ones(shape)
+
+    def forward(self, x):
+        if use_fused_rms_norm(x):
+            return _apex_rms_norm(x, self.weight, self.weight.shape, self.eps)
+        xf = x.to(compute_dtype(x))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
+    """Rotary embedding on [B, N, H, D] at positions offset..offset+N-1.
+
+    Half-split layout (pairs i and i + D/2, "rotate_half"), as in GPT-NeoX and HF Llama, so
+    exported weights need no permutation. Angles are computed per call: no table, no length cap.
+    """
+    B, N, H, D = x.shape
+    dtype = compute_dtype(x)
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)
+    pos = torch.arange(offset, offset + N, device=x.device, dtype=dtype)
+    angles = torch.outer(pos, inv_freq)                       # [N, D/2]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def feature_map(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """xi(x) = SiLU(x) / max(||SiLU(x)||_2, eps) per head (last dim)."""
+    return F.normalize(F.silu(x), dim=-1, eps=eps)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv1d over channels of [B, N, C], with bias.
+
+    `forward(x, state)` takes the previous K-1 inputs ([B, C, K-1], None = zeros) and returns
+    (y, new_state), so one code path serves training, prefill and single-token decode.
+    """
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))   # nn.Conv1d layout
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def initial_value(self, name, shape, generator):
+        if name == "bias":
+            return torch.zeros(shape)   # [our choice]
+        bound = 1 / math.sqrt(self.kernel)   # PyTorch's default Conv1d bound for fan_in = K
+        return (torch.rand(shape, generator=generator) * 2 - 1) * bound
+
+    def forward(self, x, state=None):
+        B, N, C = x.shape
+        xt = x.transpose(1, 2)
+        if state is None:
+            state = xt.new_zeros(B, C, self.kernel - 1)
+        xp = torch.cat([state.to(xt.dtype), xt], dim=-1)
+        y = F.conv1d(xp, self.weight.to(xt.dtype), self.bias.to(xt.dtype), groups=C)
+        return y.transpose(1, 2), xp[..., xp.shape[-1] - (self.kernel - 1):]

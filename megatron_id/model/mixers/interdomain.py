@@ -1,0 +1,127 @@
+"""The interdomain mixer (and, with both ingredients switched off, the S4D-only control).
+
+Per block (d = width, H heads, Dh = d/H, R = Dh, M modes; spec: shared/docs/interdomain-attention.md):
+
+    q = SC(x W_Q)                      k = SC(x W_K), v = x W_V          (dual_kv_input)
+                                       a = SC(x W_a), b = SC(x W_b)      (single input)
+    heads; RoPE on q and on k (or a) when `rope`
+    q' = xi(q);  k~ = RMSNorm_k(xi(k) or a) + b_k[h];  v~ = RMSNorm_v(v or b) + b_v[h]
+    o  = core(q', k~, v~)              the complex S4D state and its readout (ops/interdomain)
+    o <- o * SiLU(x W_g)               (output_gate)
+    y  = o W_O                         W_O is 2d x d for the linear contraction readout
+
+Parameters of the core per head: log_dt (Delta), a_log/a_im (A), c_re/c_im (C), and c_vec
+(the contraction vector c_h, only without query readout). The RMSNorm weights are shared by
+all heads, the biases are per head [our choice: it reproduces the paper's parameter counts].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...ops.interdomain import FORMS, recurrent_interdomain, step_tables
+from ...ops.interdomain.ssm import s4d_inv_init
+from ..layers import Linear, RMSNorm, ShortConv, apply_rope, feature_map
+
+DT_MIN, DT_MAX = 1e-3, 1e-1
+
+
+class InterdomainMixer(nn.Module):
+    def __init__(self, cfg, residual_std: float, form: str = "chunked"):
+        super().__init__()
+        d, H, M = cfg.d_model, cfg.n_heads, cfg.state_size
+        self.n_heads, self.head_dim, self.state_size = H, d // H, M
+        self.query_readout, self.dual_kv_input = cfg.query_readout, cfg.dual_kv_input
+        self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, cfg.readout.value
+        self.chunk_size, self.form = cfg.chunk_size, form
+        std, K, Dh = cfg.init_std, cfg.conv_kernel, d // H
+
+        if self.query_readout:
+            self.q_proj, self.q_conv = Linear(d, d, std), ShortConv(d, K)
+        if self.dual_kv_input:
+            self.k_proj, self.k_conv, self.v_proj = Linear(d, d, std), ShortConv(d, K), Linear(d, d, std)
+        else:
+            self.a_proj, self.a_conv = Linear(d, d, std), ShortConv(d, K)
+            self.b_proj, self.b_conv = Linear(d, d, std), ShortConv(d, K)
+        self.k_norm, self.v_norm = RMSNorm(Dh, cfg.norm_eps), RMSNorm(Dh, cfg.norm_eps)
+        self.k_bias, self.v_bias = nn.Parameter(torch.zeros(H, Dh)), nn.Parameter(torch.zeros(H, Dh))
+        self.log_dt = nn.Parameter(torch.zeros(H))
+        self.a_log, self.a_im = nn.Parameter(torch.zeros(H, M)), nn.Parameter(torch.zeros(H, M))
+        self.c_re, self.c_im = nn.Parameter(torch.zeros(H, M, M)), nn.Parameter(torch.zeros(H, M, M))
+        out_width = d if self.query_readout else 2 * d   # contraction emits [Re c.U, Re c.Gam] per head
+        if not self.query_readout:
+            self.c_vec = nn.Parameter(torch.zeros(H, M))
+        if cfg.output_gate:
+            self.g_proj = Linear(d, out_width, std)
+        self.o_proj = Linear(out_width, d, residual_std)
+
+    def initial_value(self, name, shape, generator):
+        H, M = self.n_heads, self.state_size
+        if name == "log_dt":
+            u = torch.rand(shape, generator=generator, dtype=torch.float64)
+            return (math.log(DT_MIN) + u * (math.log(DT_MAX) - math.log(DT_MIN))).float()
+        if name in ("a_log", "a_im"):
+            return s4d_inv_init(H, M)[0 if name == "a_log" else 1].float()
+        if name == "c_re":   # C = identity at init [our choice]
+            return torch.eye(M).expand(H, M, M).clone()
+        if name == "c_vec":  # contraction vector c_h ~ N(0, 1/M) [our choice]
+            return torch.randn(shape, generator=generator) / math.sqrt(M)
+        return torch.zeros(shape)   # c_im, k_bias, v_bias
+
+    def core_parameters(self):
+        """Arguments of the ops/interdomain forms that are parameters."""
+        return self.log_dt, self.a_log, self.a_im, self.c_re, self.c_im
+
+    def _heads(self, x):
+        return x.view(*x.shape[:2], self.n_heads, self.head_dim)
+
+    def forward(self, x, state=None, return_state=False):
+        """x [B, N, d]. state {'ssm': [B, H, M, P] complex, 'conv': {...}, 'pos': int} or None."""
+        pos = state["pos"] if state else 0
+        conv_in = state["conv"] if state else {}
+        conv_out = {}
+
+        def conv(name, y):
+            y, conv_out[name] = getattr(self, name)(y, conv_in.get(name))
+            return self._heads(y)
+
+        if self.dual_kv_input:
+            key, value = conv("k_conv", self.k_proj(x)), self._heads(self.v_proj(x))
+        else:
+            key, value = conv("a_conv", self.a_proj(x)), conv("b_conv", self.b_proj(x))
+        if self.rope:
+            key = apply_rope(key, pos, self.rope_theta)
+        if self.dual_kv_input:
+            key = feature_map(key)
+        key = self.k_norm(key) + self.k_bias
+        value = self.v_norm(value) + self.v_bias
+        query = None
+        if self.query_readout:
+            query = conv("q_conv", self.q_proj(x))
+            if self.rope:
+                query = apply_rope(query, pos, self.rope_theta)
+            query = feature_map(query)
+
+        kwargs = dict(readout=self.readout, c_vec=getattr(self, "c_vec", None),
+                      initial_state=state["ssm"] if state else None, return_final_state=True)
+        if x.shape[1] == 1 and state:   # decode: reuse the parameter-only tables across tokens
+            if state.get("tables") is None:
+                state["tables"] = step_tables(*self.core_parameters(), readout=self.readout,
+                                              c_vec=kwargs["c_vec"], dtype=key.dtype)
+            o, ssm = recurrent_interdomain(query, key, value, *self.core_parameters(),
+                                           tables=state["tables"], **kwargs)
+        else:
+            if self.form == "chunked":
+                kwargs["chunk_size"] = self.chunk_size
+            o, ssm = FORMS[self.form](query, key, value, *self.core_parameters(), **kwargs)
+        o = o.reshape(*x.shape[:2], -1).to(x.dtype)
+        if hasattr(self, "g_proj"):
+            o = o * F.silu(self.g_proj(x))
+        y = self.o_proj(o)
+        if not return_state:
+            return y
+        return y, {"ssm": ssm, "conv": conv_out, "pos": pos + x.shape[1],
+                   "tables": state.get("tables") if state else None}

@@ -1,0 +1,33 @@
+"""megatron_id: a Megatron-style training stack for Interdomain Attention language models.
+
+Install torch first (`pip install torch==2.13.0` on a CPU machine, or your CUDA build), then
+`pip install -e .[test]`. The torch range below is wide on purpose so that pip never replaces
+an installed torch with another build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_id",
+    version="0.1.0",
+    description="Megatron-style distributed training for Interdomain Attention language models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_id", "megatron_id.*", "data_tools", "data_tools.*"]),
+    install_requires=[
+        "torch>=2.3,<3",
+        "numpy",
+        "omegaconf>=2.3",
+        "safetensors",
+        "deepspeed",
+        "datasets",
+        "tokenizers",
+        "tensorboard",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout"],
+        # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
+        # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
+    },
+    entry_points={"console_scripts": ["megatron-id=megatron_id.cli:main"]},
+)
