@@ -91,8 +91,9 @@ def decay_tables(log_dt, a_log, a_im, chunk_size: int, dtype: torch.dtype):
     lag = i[:, None] - i[None, :]
     decay = lag_kernel[:, lag.clamp(min=0)] * (lag >= 0).to(dtype)[None, :, :, None]
     pow_in = powers[:, 1:].to(cdt)
-    return dict(pow_in=pow_in, pow_re=pow_in.real.contiguous(), pow_im=pow_in.imag.contiguous(), add_in=lag_kernel.flip(1).transpose(1, 2).contiguous(),
-                lam_T=powers[:, -1].to(cdt), decay=decay, log_lam=log_lam, bbar=bbar)
+    return dict(pow_in=pow_in, pow_re=pow_in.real.contiguous(), pow_im=pow_in.imag.contiguous(),
+                add_in=lag_kernel.flip(1).transpose(1, 2).contiguous(), lam_T=powers[:, -1].to(cdt),
+                decay=decay, log_lam=log_lam, bbar=bbar)
 
 
 def _to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -139,7 +140,7 @@ def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="he
         pow_in = tab["pow_in"][None, :, None]                               # [1, H, 1, T, M]
         decay = tab["decay"]                                                # [H, T, T, 2M]
         if q is None:
-            e = contraction_vector(c_re, c_im, c_vec).to(pow_in.dtype)      # [H, M]
+            e = contraction_vector(c_re.double(), c_im.double(), c_vec.double()).to(pow_in.dtype)
             out = conj_stacked(stack(e[None, :, None, None, :] * pow_in)) @ entering
             kernel = torch.einsum("hm,hijm->hij", conj_stacked(stack(e)), decay)  # S4D kernel
             out = out + kernel[None, :, None] @ z
@@ -151,8 +152,8 @@ def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="he
             scores = qc @ kc.transpose(-1, -2)                              # [B, H, n, T, T]
             p = p + torch.einsum("bhcij,hijm->bhcim", scores, decay)        # within the chunk
             # r_c = conj(r) with r = p' G (p' = conj(p) for the hermitian readout), stacked
-            gram = complex_matrix(readout_gram(c_re, c_im, readout).to(tab["pow_in"].dtype),
-                                  conj_in=readout == "hermitian", conj_out=True)
+            gram = readout_gram(c_re.double(), c_im.double(), readout).to(pow_in.dtype)  # [H, M, M]
+            gram = complex_matrix(gram, conj_in=readout == "hermitian", conj_out=True)
             r_c = (p.flatten(2, 3) @ gram).view(p.shape)                    # [B, H, n, T, 2M]
             # Re((r . lambda^{i+1})^T S^v): [conj(r lambda)] . [S_re ; S_im] along the modes
             out = mul_stacked(r_c, w_re, -w_im) @ S_v
