@@ -56,11 +56,23 @@ class ModelConfig:
     rope: Optional[bool] = None
     readout: Readout = Readout.hermitian
     output_gate: bool = False
+    # tensor parallelism pads the vocabulary to a multiple of this x TP (Megatron's rule); the
+    # padded logits are masked out of the loss, so padding never changes the model's function
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron's names. Data parallelism is what is left: world = TP x PP x DP."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 42
 
 
@@ -163,12 +175,18 @@ def resolve(cfg: Config) -> Config:
         ("chunk_size", m.chunk_size >= 1, "must be at least 1"),
         ("seq_length", m.seq_length >= 1, "must be at least 1"),
         ("norm_eps", m.norm_eps > 0, "must be positive"),
+        ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by >= 0,
+         "must be >= 0 (0 turns vocabulary padding off)"),
     ]
     if (m.d_model // max(m.n_heads, 1)) % 2 and m.rope:
         checks.append(("n_heads", False, "must leave an even head width for RoPE"))
     for key, ok, why in checks:
         if not ok:
             raise ConfigError(f"model.{key}={getattr(m, key)} is invalid: it {why}.")
+    p = cfg.parallel
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)} is invalid: it must be at least 1.")
     return cfg
 
 

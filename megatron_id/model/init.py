@@ -3,8 +3,9 @@
 Each parameter's initial value is drawn from a generator seeded by (global seed, parameter
 name), by the module that owns it (`initial_value`). The value does not depend on the order
 modules were built in or on other parameters, and it is always drawn at full size: a tensor
-parallel shard can later draw the full tensor and keep its slice, so TP=1 and TP=4 start from
-identical weights (Megatron's tests assert the same property).
+parallel shard draws the full tensor and keeps its slice (module.tp_partitions, set by
+megatron_id.parallel), so TP=1 and TP=4 start from identical weights (Megatron's tests assert
+the same property).
 """
 from __future__ import annotations
 
@@ -28,5 +29,7 @@ def initialize(model: nn.Module, seed: int) -> None:
             if not hasattr(module, "initial_value"):
                 raise TypeError(f"{type(module).__name__} owns parameter '{full_name}' but has no "
                                 f"initial_value(); every parameter needs a declared init.")
-            value = module.initial_value(name, tuple(param.shape), parameter_generator(seed, full_name))
-            param.copy_(value.to(param.dtype))
+            part = getattr(module, "tp_partitions", {}).get(name)
+            shape = part.full_shape if part else tuple(param.shape)
+            value = module.initial_value(name, shape, parameter_generator(seed, full_name))
+            param.copy_((part.local(value) if part else value).to(param.dtype))

@@ -60,11 +60,15 @@ class RMSNorm(nn.Module):
         return torch.ones(shape)
 
     def forward(self, x):
-        if use_fused_rms_norm(x):
-            return _apex_rms_norm(x, self.weight, self.weight.shape, self.eps)
-        xf = x.to(compute_dtype(x))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_fused_rms_norm(x):
+        return _apex_rms_norm(x, weight, weight.shape, eps)
+    xf = x.to(compute_dtype(x))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(xf.dtype)).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, offset: int, theta: float) -> torch.Tensor:

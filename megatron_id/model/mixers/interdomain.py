@@ -33,7 +33,7 @@ class InterdomainMixer(nn.Module):
     def __init__(self, cfg, residual_std: float, form: str = "chunked"):
         super().__init__()
         d, H, M = cfg.d_model, cfg.n_heads, cfg.state_size
-        self.n_heads, self.head_dim, self.state_size = H, d // H, M
+        self.head_dim, self.state_size = d // H, M
         self.query_readout, self.dual_kv_input = cfg.query_readout, cfg.dual_kv_input
         self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, cfg.readout.value
         self.chunk_size, self.form = cfg.chunk_size, form
@@ -59,24 +59,25 @@ class InterdomainMixer(nn.Module):
         self.o_proj = Linear(out_width, d, residual_std)
 
     def initial_value(self, name, shape, generator):
-        H, M = self.n_heads, self.state_size
+        """Full-size values from `shape` (all heads), so that a tensor-parallel shard can draw
+        the full tensor and keep its heads."""
         if name == "log_dt":
             u = torch.rand(shape, generator=generator, dtype=torch.float64)
             return (math.log(DT_MIN) + u * (math.log(DT_MAX) - math.log(DT_MIN))).float()
         if name in ("a_log", "a_im"):
-            return s4d_inv_init(H, M)[0 if name == "a_log" else 1].float()
+            return s4d_inv_init(*shape)[0 if name == "a_log" else 1].float()
         if name == "c_re":   # C = identity at init [our choice]
-            return torch.eye(M).expand(H, M, M).clone()
+            return torch.eye(shape[-1]).expand(shape).clone()
         if name == "c_vec":  # contraction vector c_h ~ N(0, 1/M) [our choice]
-            return torch.randn(shape, generator=generator) / math.sqrt(M)
+            return torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
         return torch.zeros(shape)   # c_im, k_bias, v_bias
 
     def core_parameters(self):
         """Arguments of the ops/interdomain forms that are parameters."""
         return self.log_dt, self.a_log, self.a_im, self.c_re, self.c_im
 
-    def _heads(self, x):
-        return x.view(*x.shape[:2], self.n_heads, self.head_dim)
+    def _heads(self, x):   # -1 heads: the same code runs on a tensor-parallel shard's heads
+        return x.view(*x.shape[:2], -1, self.head_dim)
 
     def forward(self, x, state=None, return_state=False):
         """x [B, N, d]. state {'ssm': [B, H, M, P] complex, 'conv': {...}, 'pos': int} or None."""

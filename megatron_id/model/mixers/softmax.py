@@ -11,15 +11,15 @@ from ..layers import Linear, apply_rope
 class SoftmaxAttention(nn.Module):
     def __init__(self, cfg, residual_std: float):
         super().__init__()
-        d, self.n_heads = cfg.d_model, cfg.n_heads
+        d = cfg.d_model
         self.head_dim, self.rope, self.rope_theta = d // cfg.n_heads, cfg.rope, cfg.rope_theta
         self.q_proj, self.k_proj, self.v_proj = (Linear(d, d, cfg.init_std) for _ in range(3))
         self.o_proj = Linear(d, d, residual_std)
 
     def forward(self, x, state=None, return_state=False):
         """x [B, N, d]. state: the KV cache {'k', 'v': [B, L, H, Dh], 'pos': L} or None."""
-        B, N, d = x.shape
-        shape = (B, N, self.n_heads, self.head_dim)
+        B, N, _ = x.shape
+        shape = (B, N, -1, self.head_dim)   # -1 heads: runs unchanged on a TP shard's heads
         q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
         pos = state["pos"] if state else 0
         if self.rope:
@@ -33,5 +33,5 @@ class SoftmaxAttention(nn.Module):
             causal = False
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, is_causal=causal)
-        y = self.o_proj(o.transpose(1, 2).reshape(B, N, d))
+        y = self.o_proj(o.transpose(1, 2).reshape(B, N, -1))   # -1: local heads under TP
         return (y, {"k": k, "v": v, "pos": pos + N}) if return_state else y

@@ -1,0 +1,187 @@
+"""Tensor-parallel layers (Megatron's, with the process group passed in).
+
+Each holds only its shard of the full parameter and records how that shard was cut (in its
+owner's `tp_partitions`, which survives moving the module between devices, and in Megatron's
+`tensor_model_parallel` / `partition_dim` parameter attributes that DeepSpeed reads), so
+initialisation can draw the full tensor and keep its slice.
+
+    ColumnParallelLinear   weight rows (output features) split; input copied in
+    RowParallelLinear      weight columns (input features) split; output all-reduced
+    VocabParallelEmbedding vocabulary rows split; out-of-range ids masked; output all-reduced
+    vocab_parallel_cross_entropy  the loss over vocabulary-sharded logits
+    PartialGradRMSNorm     a replicated norm whose inputs differ per rank: grads all-reduced
+
+With sequence parallelism, activations outside the TP regions are split along the sequence:
+column-parallel inputs arrive already gathered (by a hook on the owning block, see
+tensor_parallel.py) and row-parallel outputs are reduce-scattered instead of all-reduced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.layers import RMSNorm, rms_norm
+from . import mappings
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+@dataclass(frozen=True)
+class TPPartition:
+    """How a parameter's local shard was cut from the full tensor."""
+    dim: int
+    rank: int
+    world: int
+    full_shape: tuple        # the unpadded full shape (what a TP=1 model holds)
+    padded_size: int         # size of `dim` after padding (vocabulary rows), else full size
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        pad = self.padded_size - full.shape[self.dim]
+        if pad:
+            widths = [0, 0] * (full.dim() - 1 - self.dim) + [0, pad]
+            full = F.pad(full, widths)
+        return full.chunk(self.world, dim=self.dim)[self.rank]
+
+
+def shard_parameter(module: nn.Module, name: str, dim: int, group, padded_size: int | None = None):
+    """Replace module.<name> by this rank's shard (values sliced from the full parameter, or
+    an empty meta tensor when the full one lives on the meta device)."""
+    full = getattr(module, name)
+    part = TPPartition(dim, group_rank(group), group_size(group), tuple(full.shape),
+                       padded_size or full.shape[dim])
+    if full.is_meta:
+        shape = list(full.shape)
+        shape[dim] = part.padded_size // part.world
+        local = torch.empty(shape, device="meta", dtype=full.dtype)
+    else:
+        local = part.local(full.detach()).clone()
+    param = nn.Parameter(local, requires_grad=full.requires_grad)
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+    setattr(module, name, param)
+    if "tp_partitions" not in module.__dict__:
+        module.tp_partitions = {}
+    module.tp_partitions[name] = part
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, full: nn.Linear, group, *, sequence_parallel=False, padded_out=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.init_std = full.init_std
+        self.weight = full.weight
+        shard_parameter(self, "weight", 0, group, padded_out)
+
+    def initial_value(self, name, shape, generator):
+        return torch.randn(shape, generator=generator) * self.init_std
+
+    def forward(self, x):
+        if not self.sequence_parallel:   # SP: the input was all-gathered, whose backward reduces
+            x = mappings.copy_to_region(x, self.group)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, full: nn.Linear, group, *, sequence_parallel=False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.init_std = full.init_std
+        self.weight = full.weight
+        shard_parameter(self, "weight", 1, group)
+
+    def initial_value(self, name, shape, generator):
+        return torch.randn(shape, generator=generator) * self.init_std
+
+    def forward(self, x):   # x: this rank's slice of the input features (its heads)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence(y, self.group)
+        return mappings.reduce_from_region(y, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, full: nn.Embedding, group, padded_vocab: int, *, sequence_parallel=False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.init_std = full.init_std
+        self.weight = full.weight
+        shard_parameter(self, "weight", 0, group, padded_vocab)
+        self.vocab_start = group_rank(group) * self.weight.shape[0]
+
+    def initial_value(self, name, shape, generator):
+        return torch.randn(shape, generator=generator) * self.init_std
+
+    def forward(self, ids):
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[..., None], 0.0)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence(out, self.group)
+        return mappings.reduce_from_region(out, self.group)
+
+
+class PartialGradRMSNorm(RMSNorm):
+    """Replicated weight, but each rank sees different inputs (its heads, or its sequence
+    shard): the weight passes through copy_to_region, whose backward sums the partial grads."""
+
+    def __init__(self, full: RMSNorm, group):
+        super().__init__(full.weight.shape[0], full.eps)
+        self.group = group
+        self.weight = full.weight
+
+    def forward(self, x):
+        return rms_norm(x, mappings.copy_to_region(self.weight, self.group), self.eps)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, vocab_size):
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        cols = torch.arange(vocab_start, vocab_start + n_local, device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))   # vocabulary padding
+        peak = logits.max(dim=-1).values
+        if group_size(group) > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - peak[..., None]
+        local_target = target - vocab_start
+        mine = (local_target >= 0) & (local_target < n_local)
+        local_target = local_target.masked_fill(~mine, 0)
+        picked = logits.gather(-1, local_target[..., None]).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = logits.exp()
+        total = exp.sum(dim=-1)
+        if group_size(group) > 1:
+            dist.all_reduce(picked, group=group)
+            dist.all_reduce(total, group=group)
+        ctx.save_for_backward(exp / total[..., None], local_target, mine)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local_target[..., None], -mine[..., None].to(g.dtype))
+        return g * grad[..., None], None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local, target, group, vocab_size: int):
+    """Per-token loss from vocabulary-sharded logits [..., V_local]; columns at or beyond
+    `vocab_size` (padding) are excluded, so padding never changes the loss."""
+    start = group_rank(group) * logits_local.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits_local, target, group, start, vocab_size)
+
+
+def gather_logits(logits_local, group, vocab_size: int):
+    """Full-vocabulary logits on every rank, padding stripped (for evaluation and tests)."""
+    return mappings.gather_from_region(logits_local, group, dim=-1)[..., :vocab_size]

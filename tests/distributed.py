@@ -1,0 +1,87 @@
+"""Run a function on N gloo ranks (spawned processes) with every wait bounded.
+
+    results = run_distributed(fn, world_size=4, args=(...), timeout=120)
+
+`fn(rank, world_size, *args)` must be a module-level function. The first rank that raises
+ends the run: the others are killed and its traceback is raised here as RankError. A run
+that does not finish within `timeout` seconds is killed and raises TimeoutError naming the
+ranks still running. Process-group init and collectives carry their own timeout too, so a
+hung collective inside a rank also ends.
+"""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    pass
+
+
+def _worker(fn, rank, world_size, init_file, results, args, collective_timeout):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=collective_timeout))
+        out = fn(rank, world_size, *args)
+        buffer = io.BytesIO()   # plain bytes: shared-memory tensors would die with this process
+        torch.save(out, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:   # report everything, including assertion errors, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _kill(procs):
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def run_distributed(fn, world_size: int, args=(), timeout: float = 180, collective_timeout: float = 60):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_file = tempfile.mktemp(prefix="megatron_id_pg_")
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, init_file, results, args, collective_timeout))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    done, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(done))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout} s")
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in done and p.exitcode is not None and results.empty():
+                        time.sleep(0.2)   # its message may still be in flight
+                        if results.empty():
+                            raise RankError(f"rank {r} exited with code {p.exitcode} without a result")
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} of {world_size} raised:\n{payload}")
+            done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        _kill(procs)
+        if os.path.exists(init_file):
+            os.remove(init_file)
+    return [done[r] for r in range(world_size)]
