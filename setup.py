@@ -20,8 +20,9 @@ setup(
         "omegaconf>=2.3",
         "safetensors",
         "deepspeed",
-        "datasets",
+        "datasets",        # pulls pyarrow (parquet input)
         "tokenizers",
+        "zstandard",       # .jsonl.zst input
         "tensorboard",
     ],
     extras_require={

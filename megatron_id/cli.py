@@ -1,6 +1,7 @@
 """The `megatron-id` command. Subcommands grow with the project; each is small.
 
     megatron-id params --config configs/model/125m.yaml [key=value ...]
+    megatron-id preprocess --input ... --tokenizer ... --output-prefix ...   (= python -m data_tools.preprocess)
 """
 from __future__ import annotations
 
@@ -47,12 +48,17 @@ def cmd_params(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["preprocess"]:   # its own flags (Megatron's names), so hand over whole
+        from data_tools.preprocess import main as preprocess_main
+        return preprocess_main(argv[1:])
     parser = argparse.ArgumentParser(prog="megatron-id", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("params", help="parameter count, recurrent state and FLOPs of a config")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_params)
+    sub.add_parser("preprocess", help="tokenize a corpus into .bin/.idx (see --help of it)")
     args = parser.parse_args(argv)
     try:
         return args.func(args)

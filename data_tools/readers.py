@@ -1,0 +1,173 @@
+"""Input documents from jsonl (plain, .gz, .zst), json, parquet and local Hugging Face dataset
+folders, streamed with bounded memory. Every record comes with where it came from, and every
+unreadable one comes back as a Skip with its reason instead of being dropped silently."""
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst",
+                  ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+@dataclass
+class Record:
+    source: str
+    line: int          # 1-based line (jsonl) or row (parquet, datasets)
+    data: dict
+
+
+@dataclass
+class Skip:
+    source: str
+    line: int
+    reason: str
+
+
+class InputError(ValueError):
+    pass
+
+
+TEXT_SUFFIXES = (".txt", ".md", ".raw")
+
+
+def expand_inputs(patterns, allow_text: bool = False) -> list[Path]:
+    """Files, globs and dataset folders, in a stable order; a pattern matching nothing is an error.
+    allow_text also admits plain text files (for tokenizer training)."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(str(pattern), recursive=True)) if glob.has_magic(str(pattern)) \
+            else ([str(pattern)] if os.path.exists(pattern) else [])
+        if not matches:
+            raise InputError(f"input '{pattern}' matches no file or folder.")
+        for m in matches:
+            path = Path(m)
+            if path.is_dir() and not is_hf_dataset_folder(path):
+                inner = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p))
+                if not inner:
+                    raise InputError(f"folder '{path}' holds no .jsonl/.json/.parquet files and is "
+                                     f"not a saved Hugging Face dataset.")
+                files.extend(inner)
+            elif path.is_dir() or _kind(path) or (allow_text and path.name.lower().endswith(TEXT_SUFFIXES)):
+                files.append(path)
+            else:
+                raise InputError(f"input '{path}' has an unsupported type; use .jsonl, .jsonl.gz, "
+                                 f".jsonl.zst, .json, .parquet or a Hugging Face dataset folder.")
+    return files
+
+
+def is_hf_dataset_folder(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() \
+        or (path / "state.json").is_file()
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return None
+
+
+class _CountingReader(io.RawIOBase):
+    """Wraps a binary file and counts bytes read from the disk (for progress on compressed input)."""
+
+    def __init__(self, f):
+        self.f, self.count = f, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        n = self.f.readinto(b)
+        self.count += n or 0
+        return n
+
+
+def _open_binary(path: Path, counter: list):
+    raw = _CountingReader(open(path, "rb"))
+    counter.append(raw)
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=io.BufferedReader(raw))
+    if name.endswith(".zst"):
+        import zstandard
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(io.BufferedReader(raw)))
+    return io.BufferedReader(raw)
+
+
+def _iter_jsonl(path: Path, counter: list):
+    with _open_binary(path, counter) as f:
+        first = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
+        if first.startswith(b"["):   # a JSON array file: loaded whole (jsonl streams)
+            try:
+                rows = json.loads(f.read().decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                yield Skip(str(path), 1, f"unreadable JSON array ({err})")
+                return
+            for i, row in enumerate(rows, start=1):
+                yield Record(str(path), i, row) if isinstance(row, dict) else \
+                    Skip(str(path), i, "not a JSON object")
+            return
+        for i, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield Skip(str(path), i, "not UTF-8")
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                yield Skip(str(path), i, "malformed JSON")
+                continue
+            yield Record(str(path), i, row) if isinstance(row, dict) else \
+                Skip(str(path), i, "not a JSON object")
+
+
+def _iter_parquet(path: Path, counter: list, columns):
+    import pyarrow.parquet as pq
+    f = pq.ParquetFile(path)
+    names = set(f.schema_arrow.names)
+    wanted = [c for c in columns if c in names] or None
+    raw = _CountingReader(open(path, "rb"))   # parquet reads the file itself; count by row groups
+    counter.append(raw)
+    row = 0
+    for group in range(f.num_row_groups):
+        table = f.read_row_group(group, columns=wanted)
+        raw.count = int(path.stat().st_size * (group + 1) / f.num_row_groups)
+        for item in table.to_pylist():
+            row += 1
+            yield Record(str(path), row, item)
+
+
+def _iter_hf_folder(path: Path, counter: list):
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+    loaded = datasets.load_from_disk(str(path))
+    splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [("", loaded)]
+    for split, ds in splits:
+        source = f"{path}[{split}]" if split else str(path)
+        for i, item in enumerate(ds, start=1):
+            yield Record(source, i, item)
+
+
+def iter_documents(files, columns=("text",), counter: list | None = None):
+    """Records and Skips from every input in order. `counter` collects byte counters for progress."""
+    counter = counter if counter is not None else []
+    for path in files:
+        path = Path(path)
+        if path.is_dir():
+            yield from _iter_hf_folder(path, counter)
+        elif _kind(path) == "parquet":
+            yield from _iter_parquet(path, counter, columns)
+        else:
+            yield from _iter_jsonl(path, counter)

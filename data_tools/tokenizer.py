@@ -1,0 +1,47 @@
+"""Loading a tokenizer from local files only (no hub): a HF tokenizer.json (or a folder with
+one), or GPT-2 style vocab.json + merges.txt as Megatron's GPT2BPETokenizer takes them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def load_tokenizer(path=None, vocab_file=None, merge_file=None):
+    from tokenizers import Tokenizer
+    if path:
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            where = f"{p}/tokenizer.json" if p.is_dir() else str(p)
+            raise TokenizerError(f"tokenizer file not found: {where}. Pass a HF tokenizer.json or "
+                                 f"a folder holding one (--tokenizer).")
+        try:
+            return Tokenizer.from_file(str(file))
+        except Exception as err:
+            raise TokenizerError(f"{file} is not a valid HF tokenizer.json: {err}") from None
+    if vocab_file and merge_file:
+        from tokenizers import decoders, models, pre_tokenizers
+        for f in (vocab_file, merge_file):
+            if not Path(f).is_file():
+                raise TokenizerError(f"tokenizer file not found: {f}.")
+        tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+    raise TokenizerError("no tokenizer given: pass --tokenizer tokenizer.json (or "
+                         "--vocab-file and --merge-file).")
+
+
+def eod_id(tokenizer, token: str | None = None) -> int:
+    candidates = [token] if token else list(EOD_CANDIDATES)
+    for c in candidates:
+        i = tokenizer.token_to_id(c)
+        if i is not None:
+            return i
+    raise TokenizerError(f"no end-of-document token in the vocabulary (tried {', '.join(candidates)}); "
+                         f"name one with --eod-token.")

@@ -1,0 +1,1 @@
+"""Data the trainer reads: Megatron indexed datasets and GPT-style sample packing."""
