@@ -171,11 +171,11 @@ def _write_part(files, prefixes, tokenizer, eod, dtype, args, stats, progress):
                 flat, lengths = _encode(tokenizer, [texts[k] for texts in batch], eod)
                 empty = lengths == (0 if eod is None else 1)
                 if empty.any():   # text that tokenizes to nothing: skip it like an empty document
-                    stats.skipped["empty after tokenization"] += int(empty.sum()) if k == 0 else 0
-                    keep = np.repeat(~empty, lengths)
-                    flat, lengths = flat[keep], lengths[~empty]
+                    flat, lengths = flat[np.repeat(~empty, lengths)], lengths[~empty]
                 writer.add_many(flat, lengths)
-                if k == 0:
+                if k == 0:   # the summary counts documents of the first key
+                    if empty.any():
+                        stats.skipped["empty after tokenization"] += int(empty.sum())
                     stats.written += len(lengths)
                     stats.tokens += int(lengths.sum())
             progress.update(stats, sum(c.count for c in counters))

@@ -80,47 +80,32 @@ class _Reduce(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
+    """All-gather forward; backward keeps this rank's slice of the gradient, or (sequence
+    parallel, where every rank's copy fed a different computation) reduce-scatters it."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x, group, dim, reduce_grad):
+        ctx.group, ctx.dim, ctx.reduce_grad = group, dim, reduce_grad
         return _all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.group), None, None
+        take = _reduce_scatter if ctx.reduce_grad else _split
+        return take(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _Scatter(torch.autograd.Function):
+    """Keep this rank's slice forward (reduce-scattering first when `reduce` is set: partial
+    sums from a row-parallel layer); backward all-gathers the gradient."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx, x, group, dim, reduce):
         ctx.group, ctx.dim = group, dim
-        return _split(x, dim, group)
+        return _reduce_scatter(x, dim, group) if reduce else _split(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _all_gather(grad, ctx.dim, ctx.group), None, None, None
 
 
 def copy_to_region(x, group):
@@ -132,23 +117,23 @@ def reduce_from_region(x, group):
 
 
 def gather_from_region(x, group, dim=-1):
-    return _Gather.apply(x, group, dim % x.dim())
+    return _Gather.apply(x, group, dim % x.dim(), False)
 
 
 def scatter_to_region(x, group, dim=-1):
-    return _Scatter.apply(x, group, dim % x.dim())
+    return _Scatter.apply(x, group, dim % x.dim(), False)
 
 
 SEQUENCE_DIM = 1   # activations are [batch, sequence, hidden]
 
 
 def gather_from_sequence(x, group):
-    return _GatherSequence.apply(x, group, SEQUENCE_DIM)
+    return _Gather.apply(x, group, SEQUENCE_DIM, True)
 
 
 def reduce_scatter_to_sequence(x, group):
-    return _ReduceScatterSequence.apply(x, group, SEQUENCE_DIM)
+    return _Scatter.apply(x, group, SEQUENCE_DIM, True)
 
 
 def scatter_to_sequence(x, group):
-    return _Scatter.apply(x, group, SEQUENCE_DIM)
+    return _Scatter.apply(x, group, SEQUENCE_DIM, False)
