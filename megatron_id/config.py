@@ -69,10 +69,61 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
 
+class Precision(str, Enum):
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+@dataclass
+class DataConfig:
+    """Megatron's --data-path / --split. data_path: [prefix] or [w1, p1, w2, p2, ...]."""
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969,30,1"
+    index_cache_dir: Optional[str] = None   # None: <folder of the first prefix>/index-cache
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with the paper's recipe (section 6 of the spec; betas of Gu & Dao 2024)."""
+    lr: float = 3e-3
+    min_lr: float = 1e-5
+    warmup_tokens: int = 375_000_000
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    ssm_lr_max: float = 1e-3      # the SSM group runs at min(scheduled LR, this), no weight decay
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 128
+    train_tokens: int = 2_500_000_000
+    precision: Precision = Precision.bf16
+    zero_stage: int = 1
+    activation_checkpointing: bool = False
+    log_interval: int = 10
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    save_interval: int = 1000
+    save: Optional[str] = None        # checkpoint folder
+    load: Optional[str] = None        # checkpoint folder to resume from
+    keep_last: int = 3
+    tensorboard_dir: Optional[str] = None
+    peak_tflops: float = 989.0        # per device, for MFU (H100 SXM dense bf16)
+    max_nonfinite_in_a_row: int = 5
+    deepspeed: dict = field(default_factory=dict)   # raw DeepSpeed config overrides
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 42
 
 

@@ -29,6 +29,9 @@ class RankError(RuntimeError):
 
 def _worker(fn, rank, world_size, init_file, results, args, collective_timeout):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # what torchrun sets, which DeepSpeed checks
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
