@@ -43,3 +43,70 @@ def test_losses_equal_across_layouts_and_zero_stages(fineweb_prefix):
         for rank, losses in enumerate(results):
             for step, (got, want) in enumerate(zip(losses, reference)):
                 assert abs(got - want) <= 1e-4 * abs(want), (tp, world, zero, rank, step, got, want)
+
+
+def _run(rank, world, items, steps, kill_at_end, kill_inside_save):
+    import os
+    import signal
+    from megatron_id.training.engine import Trainer
+    cfg = load_config([CONFIGS / "model" / "tiny.yaml"], items)
+    trainer = Trainer(cfg)
+    if kill_inside_save:   # die after DeepSpeed wrote the files, before the rename and `latest`
+        save = trainer.engine.save_checkpoint
+
+        def save_then_die(*args, **kwargs):
+            save(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        trainer.engine.save_checkpoint = save_then_die
+    losses = trainer.train(max_steps=steps)
+    if kill_at_end:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return trainer.step, losses
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly_and_a_kill_during_save_keeps_latest(fineweb_prefix, tmp_path):
+    from distributed import RankError
+    base = overrides(fineweb_prefix, 1, 1) + ["train.global_batch_size=4", f"train.train_tokens={8 * 4 * 64}",
+                                              "train.save_interval=4"]
+    run = lambda items, steps, kill=False, kill_save=False: run_distributed(
+        _run, 2, args=(base + items, steps, kill, kill_save), timeout=300)
+    uninterrupted = run([], 8)[0][1]
+    assert len(uninterrupted) == 8
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(RankError, match="exited with code -9"):
+        run([f"train.save={ckpt}"], 4, kill=True)          # SIGKILL right after step 4's save
+    assert (ckpt / "latest").read_text() == "iter_0000004"
+    with pytest.raises(RankError, match="exited with code -9"):   # resumes, trains to 8, dies saving
+        run([f"train.save={ckpt}", f"train.load={ckpt}"], 4, kill_save=True)
+    assert (ckpt / "latest").read_text() == "iter_0000004"
+    assert not (ckpt / "iter_0000008").exists()
+    step, resumed = run([f"train.save={ckpt}", f"train.load={ckpt}"], 4)[0]
+    assert step == 8 and len(resumed) == 4
+    for got, want in zip(resumed, uninterrupted[4:]):
+        assert abs(got - want) <= 1e-6 * abs(want), (resumed, uninterrupted[4:])
+    assert (ckpt / "latest").read_text() == "iter_0000008"
+
+
+def _signalled(rank, world, items):
+    import os
+    import signal
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
+    step = trainer.train_step
+
+    def step_and_signal():
+        loss = step()
+        if trainer.step == 3 and rank == 0:   # only rank 0 is told, as with a SLURM signal
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return loss
+    trainer.train_step = step_and_signal
+    return trainer.step, len(trainer.train())
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_and_stops_every_rank(fineweb_prefix, tmp_path):
+    items = overrides(fineweb_prefix, 1, 1) + [f"train.save={tmp_path}", "train.save_interval=100"]
+    results = run_distributed(_signalled, 2, args=(items,), timeout=300)
+    assert [n for _, n in results] == [3, 3]
+    assert (tmp_path / "latest").read_text() == "iter_0000003"

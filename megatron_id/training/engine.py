@@ -1,12 +1,17 @@
 """The training step on DeepSpeed's engine: tensor x data parallelism with ZeRO 0/1/2.
 
-Status (issue 5, in progress): this is the plain-engine core. Pipeline stages
-(PipelineModule), checkpoints, logging, the `megatron-id train` command and the quickstart are
-not built yet.
+Status (issue 5, in progress): the plain-engine core with checkpoints. Pipeline stages
+(PipelineModule), logging, the `megatron-id train` command and the quickstart are not built yet.
 
     trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
-    for step in range(n):
-        loss = trainer.train_step()   # one optimizer step over the global batch
+    trainer.train()                   # resumes from train.load; saves to train.save
+
+Checkpoints: `<save>/iter_0000100/` (DeepSpeed's model and ZeRO optimizer files, plus our
+client state: step, tokens, RNG states) and `<save>/latest` naming the newest complete one.
+A save goes to `<save>/.incomplete/<tag>` first, is renamed into place when every rank has
+written, and only then is `latest` replaced (atomically): a kill at any moment leaves `latest`
+on a complete checkpoint. The last `train.keep_last` are kept. SIGTERM and SIGUSR1 (SLURM
+preemption, `#SBATCH --signal=USR1@120`) finish the current step, save and exit.
 
 Order of a step: the scheduled LR (in tokens) is applied to every group (the SSM group capped),
 then `gradient_accumulation` micro-batches go through forward (bf16 autocast when
@@ -17,8 +22,12 @@ steps at the accumulation boundary. The returned loss is the mean over the globa
 from __future__ import annotations
 
 import os
+import random
+import shutil
+import signal
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,9 +61,17 @@ class Trainer:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout), mpu=state)
         self.train_data = self._datasets()
-        self.sampler = iter(PretrainingSampler(len(self.train_data), 0, self.layout.micro_batch_size,
-                                               state.get_data_parallel_rank(), self.layout.data))
         self.step, self.consumed_tokens = 0, 0
+        if cfg.train.load and (Path(cfg.train.load) / "latest").is_file():
+            self.load_checkpoint(cfg.train.load)
+        self._restart_sampler()
+        self.stop_requested, self.saved_step = False, self.step
+
+    def _restart_sampler(self):
+        """The data position is the number of samples consumed: resuming continues the order."""
+        consumed = self.step * self.layout.global_batch_size
+        self.sampler = iter(PretrainingSampler(len(self.train_data), consumed, self.layout.micro_batch_size,
+                                               state.get_data_parallel_rank(), self.layout.data))
 
     def _datasets(self):
         d = self.cfg.data
@@ -90,6 +107,84 @@ class Trainer:
         self.step += 1
         self.consumed_tokens += self.layout.tokens_per_step
         return total.item() / (self.layout.gradient_accumulation * self.layout.data)
+
+
+    # ------------------------------------------------------------ the loop
+
+    def train(self, max_steps: int | None = None) -> list[float]:
+        """Train to train_iters (or max_steps more steps); save every save_interval, and at the
+        end or on SIGTERM / SIGUSR1. Returns the losses of the steps run."""
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        losses = []
+        try:
+            end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
+            while self.step < end and not self._stop_agreed():
+                losses.append(self.train_step())
+                if self.cfg.train.save and self.step % self.cfg.train.save_interval == 0:
+                    self.save_checkpoint(self.cfg.train.save)
+            if self.cfg.train.save and self.step != self.saved_step:
+                self.save_checkpoint(self.cfg.train.save)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return losses
+
+    def _request_stop(self, signum, frame):
+        self.stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """Every rank stops at the same step if any one of them was signalled."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, root) -> Path:
+        root, tag = Path(root), f"iter_{self.step:07d}"
+        staging = root / ".incomplete"
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(staging / tag, ignore_errors=True)
+            staging.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        client = {"step": self.step, "consumed_tokens": self.consumed_tokens,
+                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                          "python": random.getstate()}}
+        self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
+        dist.barrier()   # every rank's files are written
+        if rank0:
+            final = root / tag
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging / tag, final)
+            tmp = root / ".latest.tmp"
+            tmp.write_text(tag)
+            os.replace(tmp, root / "latest")   # the commit point
+            self._prune(root, keep=self.cfg.train.keep_last, current=tag)
+        dist.barrier()
+        self.saved_step = self.step
+        return root / tag
+
+    @staticmethod
+    def _prune(root: Path, keep: int, current: str) -> None:
+        tags = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
+        for old in tags[:-keep] if keep > 0 else []:
+            if old != current:
+                shutil.rmtree(root / old, ignore_errors=True)
+
+    def load_checkpoint(self, root) -> None:
+        root = Path(root)
+        tag = (root / "latest").read_text().strip()
+        if not (root / tag).is_dir():
+            raise FileNotFoundError(f"{root}/latest names '{tag}' but {root / tag} does not exist.")
+        _, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        if client is None:
+            raise RuntimeError(f"could not load the checkpoint {root / tag}.")
+        self.step, self.consumed_tokens = client["step"], client["consumed_tokens"]
+        torch.set_rng_state(client["rng"]["torch"])
+        np.random.set_state(client["rng"]["numpy"])
+        random.setstate(client["rng"]["python"])
 
 
 def init_distributed_from_env() -> None:
