@@ -2,11 +2,13 @@
 
     megatron-id params --config configs/model/125m.yaml [key=value ...]
     megatron-id preprocess --input ... --tokenizer ... --output-prefix ...   (= python -m data_tools.preprocess)
+    torchrun --nproc-per-node N -m megatron_id.cli train --config run.yaml [key=value ...]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -47,6 +49,27 @@ def cmd_params(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
+    from .training.engine import Trainer, init_distributed_from_env
+    cfg = load_config(args.config, args.overrides)   # config errors before any process group
+    init_distributed_from_env()
+    trainer = Trainer(cfg)
+    trainer.train()
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        t = cfg.train
+        print(f"finished at step {trainer.step}; checkpoint: {t.save or 'not saved (train.save unset)'}; "
+              f"TensorBoard: {t.tensorboard_dir or 'off (train.tensorboard_dir unset)'}", file=sys.stderr)
+    dist.destroy_process_group()
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["preprocess"]:   # its own flags (Megatron's names), so hand over whole
@@ -59,6 +82,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_params)
     sub.add_parser("preprocess", help="tokenize a corpus into .bin/.idx (see --help of it)")
+    t = sub.add_parser("train", help="train with DeepSpeed (launch with torchrun / srun / deepspeed)")
+    _add_config_args(t)
+    t.set_defaults(func=cmd_train)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -110,3 +110,31 @@ def test_sigusr1_saves_and_stops_every_rank(fineweb_prefix, tmp_path):
     results = run_distributed(_signalled, 2, args=(items,), timeout=300)
     assert [n for _, n in results] == [3, 3]
     assert (tmp_path / "latest").read_text() == "iter_0000003"
+
+
+@pytest.mark.slow
+def test_megatron_id_train_under_torchrun_logs_to_tensorboard(fineweb_prefix, tmp_path):
+    import os
+    import subprocess
+    import sys
+    items = overrides(fineweb_prefix, 1, 1) + [f"train.tensorboard_dir={tmp_path / 'tb'}",
+                                               f"train.save={tmp_path / 'ckpt'}", "train.log_interval=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_id.cli", "train", "--config", str(CONFIGS / "model" / "tiny.yaml"), *items]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"step {STEPS}/{STEPS} | loss" in done.stderr and "MFU" in done.stderr
+    assert f"checkpoint: {tmp_path / 'ckpt'}" in done.stderr
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"iter_{STEPS:07d}"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("loss", "perplexity", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+                 "memory_gib"):
+        assert f"train/{name}" in tags, name
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    lrs = [e.value for e in events.Scalars("train/lr")]
+    assert lrs[0] == 0.0 and lrs[1] > 0   # warmup from zero, in tokens

@@ -1,7 +1,9 @@
 """The training step on DeepSpeed's engine: tensor x data parallelism with ZeRO 0/1/2.
 
-Status (issue 5, in progress): the plain-engine core with checkpoints. Pipeline stages
-(PipelineModule), logging, the `megatron-id train` command and the quickstart are not built yet.
+Status (issue 5, in progress): the plain engine (TP x DP, ZeRO 0/1/2) with checkpoints, logging
+and `megatron-id train`. Not built yet: pipeline stages (PipelineModule), activation
+checkpointing, periodic validation, skipping non-finite steps, loading at another TP/PP layout,
+the quickstart.
 
     trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
     trainer.train()                   # resumes from train.load; saves to train.save
@@ -36,6 +38,7 @@ from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, parse_dat
 from ..model import LanguageModel
 from ..parallel import parallelize, state, vocab_parallel_cross_entropy
 from .layout import deepspeed_config, training_layout
+from .metrics import Metrics
 from .optim import apply_learning_rate, learning_rate, parameter_groups
 
 
@@ -91,6 +94,7 @@ class Trainer:
     def train_step(self) -> float:
         lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
         apply_learning_rate(self.optimizer, lr)
+        self.last_lr = lr
         bf16 = self.cfg.train.precision.value == "bf16"
         device = self.engine.device if hasattr(self.engine, "device") else "cpu"
         total = torch.zeros(1)
@@ -116,15 +120,19 @@ class Trainer:
         end or on SIGTERM / SIGUSR1. Returns the losses of the steps run."""
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         losses = []
+        metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0)
+        start_step = self.step
         try:
             end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
             while self.step < end and not self._stop_agreed():
                 losses.append(self.train_step())
+                metrics.step(self.step, losses[-1], self.last_lr, self.engine.get_global_grad_norm(), start_step)
                 if self.cfg.train.save and self.step % self.cfg.train.save_interval == 0:
                     self.save_checkpoint(self.cfg.train.save)
             if self.cfg.train.save and self.step != self.saved_step:
                 self.save_checkpoint(self.cfg.train.save)
         finally:
+            metrics.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return losses
@@ -188,7 +196,15 @@ class Trainer:
 
 
 def init_distributed_from_env() -> None:
-    """torchrun / srun / deepspeed launcher environments; gloo on CPU, nccl on GPU."""
+    """torchrun / srun / deepspeed launcher environments; gloo on CPU, nccl on GPU. A plain
+    `python` start becomes a one-process group."""
     import deepspeed
+    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else "gloo"
     deepspeed.init_distributed(dist_backend=backend)

@@ -1,0 +1,65 @@
+"""Training metrics: TensorBoard scalars and the rank-0 console line.
+
+Scalars (under train/): loss, perplexity, lr, grad_norm, tokens_per_s, tflops_per_device, mfu,
+memory_gib. Achieved FLOPs use the same count as `megatron-id params` (training FLOPs per token,
+model/accounting.py) and MFU is against train.peak_tflops per device.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+from ..model.accounting import report
+
+
+def memory_gib() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+class Metrics:
+    def __init__(self, cfg, layout, is_logger: bool):
+        self.layout, self.peak = layout, cfg.train.peak_tflops
+        self.flops_per_token = report(cfg.model).training_flops_per_token
+        self.devices = layout.tensor * layout.pipe * layout.data
+        self.interval = max(cfg.train.log_interval, 1)
+        self.writer = None
+        if is_logger and cfg.train.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(cfg.train.tensorboard_dir)
+        self.is_logger = is_logger
+        self.start = self.last = time.time()
+        self.first_step = None
+
+    def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int) -> dict:
+        now = time.time()
+        seconds, self.last = now - self.last, now
+        tokens_per_s = self.layout.tokens_per_step / max(seconds, 1e-9)
+        tflops = self.flops_per_token * tokens_per_s / 1e12 / self.devices
+        values = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "lr": lr,
+                  "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+                  "mfu": tflops / self.peak if self.peak else 0.0, "memory_gib": memory_gib()}
+        if grad_norm is not None and math.isfinite(float(grad_norm)):
+            values["grad_norm"] = float(grad_norm)
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(f"train/{name}", value, step)
+            self.writer.flush()
+        if self.is_logger and (step % self.interval == 0 or step == self.layout.train_iters):
+            done = step - start_step
+            eta = (now - self.start) / max(done, 1) * (self.layout.train_iters - step)
+            print(f"step {step}/{self.layout.train_iters} | loss {loss:.4f} | ppl {values['perplexity']:.1f} | "
+                  f"lr {lr:.2e} | grad {values.get('grad_norm', float('nan')):.3f} | "
+                  f"{tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}% | "
+                  f"mem {values['memory_gib']:.2f} GiB | ETA {eta:,.0f} s", file=sys.stderr, flush=True)
+        return values
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
