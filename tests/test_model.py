@@ -125,3 +125,26 @@ def test_tiny_config_overfits_one_batch(tiny_config, mixer):
         opt.step()
     assert first > math.log(cfg.vocab_size) - 0.5      # starts at chance
     assert loss.item() < 0.1, loss.item()              # and memorises the batch
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_activation_checkpointing_gives_identical_gradients(tiny_config, mixer):
+    cfg = tiny_config(f"model.mixer={mixer}", "model.chunk_size=8")
+    x = tokens(cfg, 2, 21)
+    results = []
+    for checkpointing in (False, True):
+        model = LanguageModel(cfg, seed=5)
+        model.activation_checkpointing = checkpointing
+        recomputed, block_forward = [], model.layers[0].forward
+
+        def counting_forward(*args, **kwargs):   # hooks do not fire during recomputation
+            recomputed.append(1)
+            return block_forward(*args, **kwargs)
+        model.layers[0].forward = counting_forward
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(recomputed)))
+    (loss_a, grads_a, calls_a), (loss_b, grads_b, calls_b) = results
+    assert loss_a == loss_b and calls_a == 1 and calls_b == 2   # the block really ran again in backward
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name

@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ..config import ModelConfig, ffn_hidden_size
@@ -58,6 +59,8 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, residual_std, form) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.init_std)
+        # recompute each block in backward instead of storing its activations (train.activation_checkpointing)
+        self.activation_checkpointing = False
         if seed is not None:
             initialize(self, seed)
 
@@ -67,6 +70,9 @@ class LanguageModel(nn.Module):
         h = self.embed(tokens)
         new_states = []
         for i, layer in enumerate(self.layers):
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled() and not return_states:
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+                continue
             out = layer(h, state=states[i] if states else None, return_state=return_states)
             h = out[0] if return_states else out
             if return_states:

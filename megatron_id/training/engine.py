@@ -1,9 +1,9 @@
 """The training step on DeepSpeed's engine: tensor x data parallelism with ZeRO 0/1/2.
 
-Status (issue 5, in progress): the plain engine (TP x DP, ZeRO 0/1/2) with checkpoints, logging
-and `megatron-id train`. Not built yet: pipeline stages (PipelineModule), activation
-checkpointing, periodic validation, skipping non-finite steps, loading at another TP/PP layout,
-the quickstart.
+Status (issue 5, in progress): the plain engine (TP x DP, ZeRO 0/1/2) with checkpoints, logging,
+activation checkpointing and `megatron-id train`. Not built yet: pipeline stages
+(PipelineModule), periodic validation, skipping non-finite steps, loading at another TP/PP
+layout, the quickstart.
 
     trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
     trainer.train()                   # resumes from train.load; saves to train.save
@@ -58,6 +58,7 @@ class Trainer:
         self.tp_group = state.get_tensor_model_parallel_group()
         model = parallelize(LanguageModel(cfg.model, seed=cfg.seed), self.tp_group,
                             sequence_parallel=cfg.parallel.sequence_parallel)
+        model.activation_checkpointing = cfg.train.activation_checkpointing
         o = cfg.optimizer
         optimizer = torch.optim.AdamW(parameter_groups(model, o), lr=o.lr,
                                       betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
