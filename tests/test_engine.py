@@ -118,7 +118,8 @@ def test_megatron_id_train_under_torchrun_logs_to_tensorboard(fineweb_prefix, tm
     import subprocess
     import sys
     items = overrides(fineweb_prefix, 1, 1) + [f"train.tensorboard_dir={tmp_path / 'tb'}",
-                                               f"train.save={tmp_path / 'ckpt'}", "train.log_interval=1"]
+                                               f"train.save={tmp_path / 'ckpt'}", "train.log_interval=1",
+                                               "data.split=80,20,0", "train.eval_interval=2", "train.eval_iters=2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megatron_id.cli", "train", "--config", str(CONFIGS / "model" / "tiny.yaml"), *items]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -138,3 +139,7 @@ def test_megatron_id_train_under_torchrun_logs_to_tensorboard(fineweb_prefix, tm
     assert len(losses) == STEPS and losses[-1] < losses[0]
     lrs = [e.value for e in events.Scalars("train/lr")]
     assert lrs[0] == 0.0 and lrs[1] > 0   # warmup from zero, in tokens
+    valid = events.Scalars("valid/loss")
+    assert [e.step for e in valid] == [2, 4, STEPS]   # every eval_interval steps and at the end
+    assert valid[-1].value < valid[0].value and "validation at step 4 | loss" in done.stderr
+    assert "valid/perplexity" in tags

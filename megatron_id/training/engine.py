@@ -1,9 +1,9 @@
 """The training step on DeepSpeed's engine: tensor x data parallelism with ZeRO 0/1/2.
 
 Status (issue 5, in progress): the plain engine (TP x DP, ZeRO 0/1/2) with checkpoints, logging,
-activation checkpointing and `megatron-id train`. Not built yet: pipeline stages
-(PipelineModule), periodic validation, skipping non-finite steps, loading at another TP/PP
-layout, the quickstart.
+periodic validation, activation checkpointing and `megatron-id train`. Not built yet: pipeline
+stages (PipelineModule), skipping non-finite steps, loading at another TP/PP layout, the
+quickstart.
 
     trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
     trainer.train()                   # resumes from train.load; saves to train.save
@@ -65,7 +65,7 @@ class Trainer:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout), mpu=state)
         self.train_data = self._datasets()
-        self.step, self.consumed_tokens = 0, 0
+        self.step, self.consumed_tokens, self.evaluations = 0, 0, 0
         if cfg.train.load and (Path(cfg.train.load) / "latest").is_file():
             self.load_checkpoint(cfg.train.load)
         self._restart_sampler()
@@ -84,9 +84,40 @@ class Trainer:
                              "(data.data_path=[data/my_corpus_text_document]).")
         cache = d.index_cache_dir or str(Path(parse_data_path(d.data_path)[0][1]).parent / "index-cache")
         n_train = self.layout.train_iters * self.layout.global_batch_size
-        train, _, _ = build_gpt_datasets(d.data_path, d.split, (n_train, 0, 0),
-                                         self.cfg.model.seq_length, self.cfg.seed, cache)
+        evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
+        n_valid = evals * self.cfg.train.eval_iters * self.layout.global_batch_size
+        train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
+                                                       self.cfg.model.seq_length, self.cfg.seed, cache)
         return train
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        bf16 = self.cfg.train.precision.value == "bf16"
+        with torch.autocast(device_type=batch.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = self.engine(batch[:, :-1])
+        return vocab_parallel_cross_entropy(logits, batch[:, 1:], self.tp_group,
+                                            self.cfg.model.vocab_size).mean()
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over train.eval_iters global batches of the validation split (None without
+        one). Each evaluation reads the next batches, so successive evaluations see new data."""
+        if self.valid_data is None or self.cfg.train.eval_iters < 1:
+            return None
+        self.engine.eval()
+        per_eval = self.cfg.train.eval_iters * self.layout.global_batch_size
+        start = (self.evaluations * per_eval) % max(len(self.valid_data) - per_eval + 1, 1)
+        sampler = PretrainingSampler(start + per_eval, start, self.layout.micro_batch_size,
+                                     state.get_data_parallel_rank(), self.layout.data)
+        total, count = torch.zeros(1), 0
+        device = self.engine.device if hasattr(self.engine, "device") else "cpu"
+        for indices in sampler:
+            batch = torch.stack([torch.from_numpy(self.valid_data[i]) for i in indices]).to(device)
+            total += self._loss(batch).float().cpu()
+            count += 1
+        dist.all_reduce(total, group=state.get_data_parallel_group())
+        self.engine.train()
+        self.evaluations += 1
+        return total.item() / (count * self.layout.data)
 
     def _micro_batch(self) -> torch.Tensor:
         indices = next(self.sampler)
@@ -96,15 +127,10 @@ class Trainer:
         lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
-        bf16 = self.cfg.train.precision.value == "bf16"
         device = self.engine.device if hasattr(self.engine, "device") else "cpu"
         total = torch.zeros(1)
         for _ in range(self.layout.gradient_accumulation):
-            batch = self._micro_batch().to(device)
-            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-                logits = self.engine(batch[:, :-1])
-            loss = vocab_parallel_cross_entropy(logits, batch[:, 1:], self.tp_group,
-                                                self.cfg.model.vocab_size).mean()
+            loss = self._loss(self._micro_batch().to(device))
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float().cpu()
@@ -128,6 +154,8 @@ class Trainer:
             while self.step < end and not self._stop_agreed():
                 losses.append(self.train_step())
                 metrics.step(self.step, losses[-1], self.last_lr, self.engine.get_global_grad_norm(), start_step)
+                if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
+                    metrics.validation(self.step, self.evaluate())
                 if self.cfg.train.save and self.step % self.cfg.train.save_interval == 0:
                     self.save_checkpoint(self.cfg.train.save)
             if self.cfg.train.save and self.step != self.saved_step:
@@ -157,7 +185,7 @@ class Trainer:
             shutil.rmtree(staging / tag, ignore_errors=True)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        client = {"step": self.step, "consumed_tokens": self.consumed_tokens,
+        client = {"step": self.step, "consumed_tokens": self.consumed_tokens, "evaluations": self.evaluations,
                   "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                           "python": random.getstate()}}
         self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
@@ -191,6 +219,7 @@ class Trainer:
         if client is None:
             raise RuntimeError(f"could not load the checkpoint {root / tag}.")
         self.step, self.consumed_tokens = client["step"], client["consumed_tokens"]
+        self.evaluations = client.get("evaluations", 0)
         torch.set_rng_state(client["rng"]["torch"])
         np.random.set_state(client["rng"]["numpy"])
         random.setstate(client["rng"]["python"])

@@ -1,7 +1,7 @@
 """Training metrics: TensorBoard scalars and the rank-0 console line.
 
 Scalars (under train/): loss, perplexity, lr, grad_norm, tokens_per_s, tflops_per_device, mfu,
-memory_gib. Achieved FLOPs use the same count as `megatron-id params` (training FLOPs per token,
+memory_gib; under valid/: loss and perplexity every train.eval_interval steps and at the end. Achieved FLOPs use the same count as `megatron-id params` (training FLOPs per token,
 model/accounting.py) and MFU is against train.peak_tflops per device.
 """
 from __future__ import annotations
@@ -59,6 +59,17 @@ class Metrics:
                   f"{tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}% | "
                   f"mem {values['memory_gib']:.2f} GiB | ETA {eta:,.0f} s", file=sys.stderr, flush=True)
         return values
+
+    def validation(self, step: int, loss: float | None) -> None:
+        if loss is None:
+            return
+        if self.writer is not None:
+            self.writer.add_scalar("valid/loss", loss, step)
+            self.writer.add_scalar("valid/perplexity", math.exp(min(loss, 50.0)), step)
+            self.writer.flush()
+        if self.is_logger:
+            print(f"validation at step {step} | loss {loss:.4f} | ppl {math.exp(min(loss, 50.0)):.1f}",
+                  file=sys.stderr, flush=True)
 
     def close(self):
         if self.writer is not None:
