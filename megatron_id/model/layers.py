@@ -19,24 +19,25 @@ except Exception:  # ImportError, or apex built without its CUDA extensions
     _apex_rms_norm = None
 
 
-class Linear(nn.Linear):
+class NormalInit:
+    """Mixin for modules whose weight starts as N(0, self.init_std)."""
+
+    def initial_value(self, name, shape, generator):
+        return torch.randn(shape, generator=generator) * self.init_std
+
+
+class Linear(NormalInit, nn.Linear):
     """nn.Linear without bias and with a declared N(0, init_std) initialisation."""
 
     def __init__(self, d_in: int, d_out: int, init_std: float):
         super().__init__(d_in, d_out, bias=False)
         self.init_std = init_std
 
-    def initial_value(self, name, shape, generator):
-        return torch.randn(shape, generator=generator) * self.init_std
 
-
-class Embedding(nn.Embedding):
+class Embedding(NormalInit, nn.Embedding):
     def __init__(self, vocab: int, dim: int, init_std: float):
         super().__init__(vocab, dim)
         self.init_std = init_std
-
-    def initial_value(self, name, shape, generator):
-        return torch.randn(shape, generator=generator) * self.init_std
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

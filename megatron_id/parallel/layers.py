@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.layers import RMSNorm, rms_norm
+from ..model.layers import NormalInit, RMSNorm, rms_norm
 from . import mappings
 
 
@@ -74,7 +74,7 @@ def shard_parameter(module: nn.Module, name: str, dim: int, group, padded_size: 
     return param
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(NormalInit, nn.Module):
     def __init__(self, full: nn.Linear, group, *, sequence_parallel=False, padded_out=None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -82,25 +82,19 @@ class ColumnParallelLinear(nn.Module):
         self.weight = full.weight
         shard_parameter(self, "weight", 0, group, padded_out)
 
-    def initial_value(self, name, shape, generator):
-        return torch.randn(shape, generator=generator) * self.init_std
-
     def forward(self, x):
         if not self.sequence_parallel:   # SP: the input was all-gathered, whose backward reduces
             x = mappings.copy_to_region(x, self.group)
         return F.linear(x, self.weight)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(NormalInit, nn.Module):
     def __init__(self, full: nn.Linear, group, *, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.init_std = full.init_std
         self.weight = full.weight
         shard_parameter(self, "weight", 1, group)
-
-    def initial_value(self, name, shape, generator):
-        return torch.randn(shape, generator=generator) * self.init_std
 
     def forward(self, x):   # x: this rank's slice of the input features (its heads)
         y = F.linear(x, self.weight)
@@ -109,7 +103,7 @@ class RowParallelLinear(nn.Module):
         return mappings.reduce_from_region(y, self.group)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(NormalInit, nn.Module):
     def __init__(self, full: nn.Embedding, group, padded_vocab: int, *, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -117,9 +111,6 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = full.weight
         shard_parameter(self, "weight", 0, group, padded_vocab)
         self.vocab_start = group_rank(group) * self.weight.shape[0]
-
-    def initial_value(self, name, shape, generator):
-        return torch.randn(shape, generator=generator) * self.init_std
 
     def forward(self, ids):
         local = ids - self.vocab_start

@@ -9,7 +9,7 @@ quickstart.
     trainer.train()                   # resumes from train.load; saves to train.save
 
 Checkpoints: `<save>/iter_0000100/` (DeepSpeed's model and ZeRO optimizer files, plus our
-client state: step, tokens, RNG states) and `<save>/latest` naming the newest complete one.
+client state: step, evaluations done, RNG states; tokens and data position follow from step) and `<save>/latest` naming the newest complete one.
 A save goes to `<save>/.incomplete/<tag>` first, is renamed into place when every rank has
 written, and only then is `latest` replaced (atomically): a kill at any moment leaves `latest`
 on a complete checkpoint. The last `train.keep_last` are kept. SIGTERM and SIGUSR1 (SLURM
@@ -64,12 +64,17 @@ class Trainer:
                                       betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout), mpu=state)
+        self.device = getattr(self.engine, "device", "cpu")
         self.train_data = self._datasets()
-        self.step, self.consumed_tokens, self.evaluations = 0, 0, 0
+        self.step, self.evaluations = 0, 0
         if cfg.train.load and (Path(cfg.train.load) / "latest").is_file():
             self.load_checkpoint(cfg.train.load)
         self._restart_sampler()
         self.stop_requested, self.saved_step = False, self.step
+
+    @property
+    def consumed_tokens(self) -> int:
+        return self.step * self.layout.tokens_per_step
 
     def _restart_sampler(self):
         """The data position is the number of samples consumed: resuming continues the order."""
@@ -109,36 +114,30 @@ class Trainer:
         sampler = PretrainingSampler(start + per_eval, start, self.layout.micro_batch_size,
                                      state.get_data_parallel_rank(), self.layout.data)
         total, count = torch.zeros(1), 0
-        device = self.engine.device if hasattr(self.engine, "device") else "cpu"
         for indices in sampler:
-            batch = torch.stack([torch.from_numpy(self.valid_data[i]) for i in indices]).to(device)
-            total += self._loss(batch).float().cpu()
+            total += self._loss(self._batch(self.valid_data, indices)).float().cpu()
             count += 1
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.engine.train()
         self.evaluations += 1
         return total.item() / (count * self.layout.data)
 
-    def _micro_batch(self) -> torch.Tensor:
-        indices = next(self.sampler)
-        return torch.stack([torch.from_numpy(self.train_data[i]) for i in indices])
+    def _batch(self, dataset, indices) -> torch.Tensor:
+        return torch.stack([torch.from_numpy(dataset[i]) for i in indices]).to(self.device)
 
     def train_step(self) -> float:
         lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
-        device = self.engine.device if hasattr(self.engine, "device") else "cpu"
         total = torch.zeros(1)
         for _ in range(self.layout.gradient_accumulation):
-            loss = self._loss(self._micro_batch().to(device))
+            loss = self._loss(self._batch(self.train_data, next(self.sampler)))
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float().cpu()
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.step += 1
-        self.consumed_tokens += self.layout.tokens_per_step
         return total.item() / (self.layout.gradient_accumulation * self.layout.data)
-
 
     # ------------------------------------------------------------ the loop
 
@@ -185,7 +184,7 @@ class Trainer:
             shutil.rmtree(staging / tag, ignore_errors=True)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        client = {"step": self.step, "consumed_tokens": self.consumed_tokens, "evaluations": self.evaluations,
+        client = {"step": self.step, "evaluations": self.evaluations,
                   "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                           "python": random.getstate()}}
         self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
@@ -218,7 +217,7 @@ class Trainer:
                                                 load_lr_scheduler_states=False)
         if client is None:
             raise RuntimeError(f"could not load the checkpoint {root / tag}.")
-        self.step, self.consumed_tokens = client["step"], client["consumed_tokens"]
+        self.step = client["step"]
         self.evaluations = client.get("evaluations", 0)
         torch.set_rng_state(client["rng"]["torch"])
         np.random.set_state(client["rng"]["numpy"])

@@ -16,6 +16,10 @@ import torch
 from ..model.accounting import report
 
 
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))   # capped: a diverged loss must not overflow the log
+
+
 def memory_gib() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**30
@@ -42,7 +46,7 @@ class Metrics:
         seconds, self.last = now - self.last, now
         tokens_per_s = self.layout.tokens_per_step / max(seconds, 1e-9)
         tflops = self.flops_per_token * tokens_per_s / 1e12 / self.devices
-        values = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "lr": lr,
+        values = {"loss": loss, "perplexity": perplexity(loss), "lr": lr,
                   "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
                   "mfu": tflops / self.peak if self.peak else 0.0, "memory_gib": memory_gib()}
         if grad_norm is not None and math.isfinite(float(grad_norm)):
@@ -65,10 +69,10 @@ class Metrics:
             return
         if self.writer is not None:
             self.writer.add_scalar("valid/loss", loss, step)
-            self.writer.add_scalar("valid/perplexity", math.exp(min(loss, 50.0)), step)
+            self.writer.add_scalar("valid/perplexity", perplexity(loss), step)
             self.writer.flush()
         if self.is_logger:
-            print(f"validation at step {step} | loss {loss:.4f} | ppl {math.exp(min(loss, 50.0)):.1f}",
+            print(f"validation at step {step} | loss {loss:.4f} | ppl {perplexity(loss):.1f}",
                   file=sys.stderr, flush=True)
 
     def close(self):
