@@ -110,6 +110,7 @@ class TrainConfig:
     save_interval: int = 1000
     save: Optional[str] = None        # checkpoint folder
     load: Optional[str] = None        # checkpoint folder to resume from
+    load_optimizer: bool = True       # false: weights only (needed to load at another layout)
     keep_last: int = 3
     tensorboard_dir: Optional[str] = None
     peak_tflops: float = 989.0        # per device, for MFU (H100 SXM dense bf16)

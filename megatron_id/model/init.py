@@ -22,8 +22,11 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def initialize(model: nn.Module, seed: int) -> None:
-    for module_name, module in model.named_modules():
+def initialize(model: nn.Module, seed: int, prefix: str = "") -> None:
+    """Initialise every parameter of `model`. `prefix` is the module's name inside the whole
+    LanguageModel (e.g. "layers.3." for one pipeline-stage block), so a part initialised on its
+    own gets exactly the values it would have in the whole model."""
+    for module_name, module in model.named_modules(prefix=prefix.rstrip(".")):
         for name, param in module.named_parameters(recurse=False):
             full_name = f"{module_name}.{name}" if module_name else name
             if not hasattr(module, "initial_value"):

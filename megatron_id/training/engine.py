@@ -23,13 +23,13 @@ steps at the accumulation boundary. The returned loss is the mean over the globa
 """
 from __future__ import annotations
 
+import math
 import os
-import random
 import shutil
 import signal
+import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,9 +37,17 @@ from ..config import Config
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, parse_data_path
 from ..model import LanguageModel
 from ..parallel import parallelize, state, vocab_parallel_cross_entropy
+from ..parallel.pipeline import from_model_names, pipeline_model
+from ..parallel.tensor_parallel import split_state_dict
+from .checkpoint import (cross_layout_error, describe, layout_record, optimizer_state_loadable,
+                         read_client_state, read_model_state, rng_state, set_rng_state)
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
-from .optim import apply_learning_rate, learning_rate, parameter_groups
+from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many non-finite steps in a row; the message names the step and the last good checkpoint."""
 
 
 class Trainer:
@@ -48,25 +56,39 @@ class Trainer:
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed first (torchrun, srun or "
                                "deepspeed.init_distributed).")
+        deepspeed.init_distributed(dist_backend=dist.get_backend())   # adopts the existing group
         self.cfg = cfg
         self.layout = training_layout(cfg, dist.get_world_size())   # all checks before any work
-        if self.layout.pipe > 1:
-            raise NotImplementedError("pipeline parallelism is not built yet (issue 5); use "
-                                      "parallel.pipeline_model_parallel_size=1.")
         torch.manual_seed(cfg.seed)
         state.initialize_model_parallel(self.layout.tensor, self.layout.pipe, cfg.model)
         self.tp_group = state.get_tensor_model_parallel_group()
-        model = parallelize(LanguageModel(cfg.model, seed=cfg.seed), self.tp_group,
-                            sequence_parallel=cfg.parallel.sequence_parallel)
-        model.activation_checkpointing = cfg.train.activation_checkpointing
+        self.pipelined = self.layout.pipe > 1
+        if self.pipelined:   # DeepSpeed's PipelineEngine; its mpu is the module's own grid
+            model, mpu = pipeline_model(
+                cfg.model, state.get_topology(), self.tp_group, seed=cfg.seed,
+                loss_vocab=cfg.model.vocab_size, sequence_parallel=cfg.parallel.sequence_parallel,
+                activation_checkpointing=cfg.train.activation_checkpointing), None
+        else:
+            model = parallelize(LanguageModel(cfg.model, seed=cfg.seed), self.tp_group,
+                                sequence_parallel=cfg.parallel.sequence_parallel)
+            model.activation_checkpointing = cfg.train.activation_checkpointing
+            mpu = state
         o = cfg.optimizer
-        optimizer = torch.optim.AdamW(parameter_groups(model, o), lr=o.lr,
-                                      betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+        # ZeRO-0: the guard computes the norm and clips (DeepSpeed's fp32 path would apply a
+        # NaN step and reports no norm); ZeRO-1/2: DeepSpeed clips and skips, the guard checks.
+        self.guard = GuardedAdamW(parameter_groups(model, o), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                  eps=o.adam_eps, clip_grad=o.clip_grad if cfg.train.zero_stage == 0 else None,
+                                  tp_rank=dist.get_rank(self.tp_group), data_parallel=self.layout.data)
+        optimizer = self.guard
+        if self.pipelined:
+            stage_loss = model.loss_fn
+            model.loss_fn = lambda logits, labels: self.guard.observe_loss(stage_loss(logits, labels))
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout), mpu=state)
+            model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout), mpu=mpu)
         self.device = getattr(self.engine, "device", "cpu")
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
+        self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
         if cfg.train.load and (Path(cfg.train.load) / "latest").is_file():
             self.load_checkpoint(cfg.train.load)
         self._restart_sampler()
@@ -96,11 +118,21 @@ class Trainer:
         return train
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        bf16 = self.cfg.train.precision.value == "bf16"
-        with torch.autocast(device_type=batch.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with self._autocast(batch.device):
             logits = self.engine(batch[:, :-1])
-        return vocab_parallel_cross_entropy(logits, batch[:, 1:], self.tp_group,
-                                            self.cfg.model.vocab_size).mean()
+        return self.guard.observe_loss(vocab_parallel_cross_entropy(
+            logits, batch[:, 1:], self.tp_group, self.cfg.model.vocab_size).mean())
+
+    def _autocast(self, device):
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
+                              enabled=self.cfg.train.precision.value == "bf16")
+
+    def _pipeline_batches(self, dataset, sampler):
+        """(inputs, labels) micro-batches for the PipelineEngine, read lazily: only the first
+        and last stages pull from it."""
+        for indices in sampler:
+            batch = self._batch(dataset, indices)
+            yield batch[:, :-1], batch[:, 1:]
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -108,18 +140,24 @@ class Trainer:
         one). Each evaluation reads the next batches, so successive evaluations see new data."""
         if self.valid_data is None or self.cfg.train.eval_iters < 1:
             return None
-        self.engine.eval()
         per_eval = self.cfg.train.eval_iters * self.layout.global_batch_size
         start = (self.evaluations * per_eval) % max(len(self.valid_data) - per_eval + 1, 1)
         sampler = PretrainingSampler(start + per_eval, start, self.layout.micro_batch_size,
                                      state.get_data_parallel_rank(), self.layout.data)
+        self.evaluations += 1
+        if self.pipelined:   # mean over micro-batches and data-parallel ranks, on every stage
+            with self._autocast(self.device):
+                loss = self.engine.eval_batch(
+                    self._pipeline_batches(self.valid_data, iter(sampler)),
+                    num_micro_batches=self.cfg.train.eval_iters * self.layout.gradient_accumulation)
+            return loss.item()
+        self.engine.eval()
         total, count = torch.zeros(1), 0
         for indices in sampler:
             total += self._loss(self._batch(self.valid_data, indices)).float().cpu()
             count += 1
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.engine.train()
-        self.evaluations += 1
         return total.item() / (count * self.layout.data)
 
     def _batch(self, dataset, indices) -> torch.Tensor:
@@ -129,6 +167,26 @@ class Trainer:
         lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
+        updates_before = self.guard.updates
+        loss = self._train_batch()
+        self.last_skipped = self.guard.updates == updates_before
+        return loss
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping); inf if it was skipped."""
+        if self.last_skipped:
+            return math.inf
+        if self.cfg.train.zero_stage == 0:
+            return self.guard.last_grad_norm
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def _train_batch(self) -> float:
+        if self.pipelined:   # DeepSpeed runs the 1F1B schedule over gradient_accumulation micro-batches
+            with self._autocast(self.device):
+                loss = self.engine.train_batch(self._pipeline_batches(self.train_data, self.sampler))
+            self.step += 1
+            return loss.item()
         total = torch.zeros(1)
         for _ in range(self.layout.gradient_accumulation):
             loss = self._loss(self._batch(self.train_data, next(self.sampler)))
@@ -152,7 +210,9 @@ class Trainer:
             end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
             while self.step < end and not self._stop_agreed():
                 losses.append(self.train_step())
-                metrics.step(self.step, losses[-1], self.last_lr, self.engine.get_global_grad_norm(), start_step)
+                self._count_nonfinite()
+                metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
+                             skipped=self.skipped_steps)
                 if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
                     metrics.validation(self.step, self.evaluate())
                 if self.cfg.train.save and self.step % self.cfg.train.save_interval == 0:
@@ -164,6 +224,34 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return losses
+
+    def _count_nonfinite(self) -> None:
+        """A skipped step is counted; train.max_nonfinite_in_a_row of them in a row stop the run."""
+        if not self.last_skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.train.max_nonfinite_in_a_row
+        if dist.get_rank() == 0:
+            print(f"step {self.step}: non-finite loss or gradient norm, update skipped "
+                  f"({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in this run)",
+                  file=sys.stderr, flush=True)
+        if limit > 0 and self.nonfinite_in_a_row >= limit:
+            first = self.step - self.nonfinite_in_a_row + 1
+            raise NonFiniteTrainingError(
+                f"stopping at step {self.step}: {self.nonfinite_in_a_row} steps in a row "
+                f"({first}-{self.step}) had a non-finite loss or gradient norm and were skipped "
+                f"(train.max_nonfinite_in_a_row={limit}). Last good checkpoint: "
+                f"{self._last_checkpoint()}. Resume from it (train.load=...) with a lower "
+                f"optimizer.lr or a stricter optimizer.clip_grad, or inspect the data of these steps.")
+
+    def _last_checkpoint(self) -> str:
+        for root in (self.cfg.train.save, self.cfg.train.load):
+            if root and (Path(root) / "latest").is_file():
+                tag = (Path(root) / "latest").read_text().strip()
+                return f"{Path(root) / tag} (step {int(tag.removeprefix('iter_'))})"
+        return "none (no checkpoint was saved; set train.save and train.save_interval)"
 
     def _request_stop(self, signum, frame):
         self.stop_requested = True
@@ -184,9 +272,8 @@ class Trainer:
             shutil.rmtree(staging / tag, ignore_errors=True)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        client = {"step": self.step, "evaluations": self.evaluations,
-                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                          "python": random.getstate()}}
+        client = {"step": self.step, "evaluations": self.evaluations, "skipped_steps": self.skipped_steps,
+                  "layout": self._layout_record(), "rng": rng_state()}
         self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
         dist.barrier()   # every rank's files are written
         if rank0:
@@ -208,20 +295,50 @@ class Trainer:
             if old != current:
                 shutil.rmtree(root / old, ignore_errors=True)
 
+    def _layout_record(self) -> dict:
+        return layout_record(self.layout, self.cfg.train.zero_stage)
+
     def load_checkpoint(self, root) -> None:
+        """Resume from `root`/latest. At the saving layout: everything (DeepSpeed restores model
+        and optimizer; our client state has step, evaluations and RNG; data position and LR
+        follow from the step). At another TP/PP/DP layout: weights re-sharded, with
+        train.load_optimizer=false only (checkpoint.py says why)."""
         root = Path(root)
         tag = (root / "latest").read_text().strip()
-        if not (root / tag).is_dir():
-            raise FileNotFoundError(f"{root}/latest names '{tag}' but {root / tag} does not exist.")
-        _, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
-        if client is None:
-            raise RuntimeError(f"could not load the checkpoint {root / tag}.")
+        path = root / tag
+        if not path.is_dir():
+            raise FileNotFoundError(f"{root}/latest names '{tag}' but {path} does not exist.")
+        client = read_client_state(path)
+        saved, current = client.get("layout", self._layout_record()), self._layout_record()
+        if optimizer_state_loadable(saved, current) and self.cfg.train.load_optimizer:
+            _, loaded = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+            if loaded is None:
+                raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}.")
+        elif self.cfg.train.load_optimizer:
+            raise cross_layout_error(path, saved, current)
+        else:
+            self._load_weights(read_model_state(path, self.cfg.model, saved))
+            if dist.get_rank() == 0:
+                print(f"loaded the weights of {path} (saved at {describe(saved)}) into "
+                      f"{describe(current)}; optimizer state starts fresh (train.load_optimizer=false)",
+                      file=sys.stderr, flush=True)
         self.step = client["step"]
         self.evaluations = client.get("evaluations", 0)
-        torch.set_rng_state(client["rng"]["torch"])
-        np.random.set_state(client["rng"]["numpy"])
-        random.setstate(client["rng"]["python"])
+        self.skipped_steps = client.get("skipped_steps", 0)
+        set_rng_state(client["rng"])
+
+    def _load_weights(self, full: dict) -> None:
+        """A TP=1 model state dict -> this rank's shard (and pipeline pieces)."""
+        local = split_state_dict(full, self.cfg.model, self.layout.tensor)[dist.get_rank(self.tp_group)]
+        module = self.engine.module
+        if self.pipelined:
+            n = self.cfg.model.n_layers
+            local = {f"{piece}.{k}": v for piece in range(module._local_start, module._local_stop)
+                     for k, v in from_model_names(local, piece, n).items()}
+        module.load_state_dict(local, strict=True)
+        if hasattr(self.engine.optimizer, "refresh_fp32_params"):   # ZeRO keeps fp32 master copies
+            self.engine.optimizer.refresh_fp32_params()
 
 
 def init_distributed_from_env() -> None:

@@ -86,7 +86,9 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
         "train_batch_size": layout.global_batch_size,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.gradient_accumulation,
-        "gradient_clipping": cfg.optimizer.clip_grad,
+        # ZeRO-0: our GuardedAdamW clips (and skips non-finite steps); ZeRO-1/2: DeepSpeed does
+        "gradient_clipping": cfg.optimizer.clip_grad if t.zero_stage > 0 else 0.0,
+        "zero_allow_untested_optimizer": True,   # GuardedAdamW is an AdamW subclass
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": False},   # bf16 is autocast with fp32 weights (see module docstring)
         "fp16": {"enabled": False},

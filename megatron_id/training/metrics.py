@@ -1,7 +1,7 @@
 """Training metrics: TensorBoard scalars and the rank-0 console line.
 
 Scalars (under train/): loss, perplexity, lr, grad_norm, tokens_per_s, tflops_per_device, mfu,
-memory_gib; under valid/: loss and perplexity every train.eval_interval steps and at the end. Achieved FLOPs use the same count as `megatron-id params` (training FLOPs per token,
+memory_gib, skipped_steps (non-finite steps so far); under valid/: loss and perplexity every train.eval_interval steps and at the end. Achieved FLOPs use the same count as `megatron-id params` (training FLOPs per token,
 model/accounting.py) and MFU is against train.peak_tflops per device.
 """
 from __future__ import annotations
@@ -41,14 +41,15 @@ class Metrics:
         self.start = self.last = time.time()
         self.first_step = None
 
-    def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int) -> dict:
+    def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int, skipped: int = 0) -> dict:
         now = time.time()
         seconds, self.last = now - self.last, now
         tokens_per_s = self.layout.tokens_per_step / max(seconds, 1e-9)
         tflops = self.flops_per_token * tokens_per_s / 1e12 / self.devices
         values = {"loss": loss, "perplexity": perplexity(loss), "lr": lr,
                   "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-                  "mfu": tflops / self.peak if self.peak else 0.0, "memory_gib": memory_gib()}
+                  "mfu": tflops / self.peak if self.peak else 0.0, "memory_gib": memory_gib(),
+                  "skipped_steps": skipped}
         if grad_norm is not None and math.isfinite(float(grad_norm)):
             values["grad_norm"] = float(grad_norm)
         if self.writer is not None:
@@ -61,7 +62,7 @@ class Metrics:
             print(f"step {step}/{self.layout.train_iters} | loss {loss:.4f} | ppl {values['perplexity']:.1f} | "
                   f"lr {lr:.2e} | grad {values.get('grad_norm', float('nan')):.3f} | "
                   f"{tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}% | "
-                  f"mem {values['memory_gib']:.2f} GiB | ETA {eta:,.0f} s", file=sys.stderr, flush=True)
+                  f"mem {values['memory_gib']:.2f} GiB | skipped {skipped} | ETA {eta:,.0f} s", file=sys.stderr, flush=True)
         return values
 
     def validation(self, step: int, loss: float | None) -> None:

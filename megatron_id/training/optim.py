@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 SSM_PARAMETERS = {"k_norm.weight", "v_norm.weight", "k_bias", "v_bias", "log_dt", "a_log", "a_im",
@@ -52,3 +53,65 @@ def apply_learning_rate(optimizer, lr: float) -> None:
     """Set every group's LR: the scheduled value, capped by the group's max_lr (SSM group)."""
     for group in optimizer.param_groups:
         group["lr"] = min(lr, group.get("max_lr", math.inf))
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that refuses an update whose gradients are not all finite, on any rank.
+
+    DeepSpeed's ZeRO-1/2 optimiser already skips a step whose global gradient norm is inf/NaN
+    (this step is then never called); its ZeRO-0 fp32 path and the pipeline engine without
+    ZeRO would apply it and turn every weight into NaN. So every update passes here first:
+    with `clip_grad` set (ZeRO-0, where DeepSpeed's own clipping is turned off) this computes
+    the global gradient norm over all TP x PP x DP ranks, skips if it is not finite and clips
+    otherwise; under ZeRO (clip_grad None; the gradients are this rank's partition, already
+    clipped) it only checks finiteness. `updates` counts applied calls: a step during which it
+    did not move was skipped.
+
+    Norm rule (as Megatron's): a TP shard counts on its own rank; a parameter replicated over
+    TP counts on TP rank 0 only; every pipeline stage counts its own; data-parallel replicas
+    hold the same gradients after the all-reduce, so the world-wide sum is divided by DP.
+    """
+
+    def __init__(self, params, *, clip_grad: float | None, tp_rank: int = 0, data_parallel: int = 1, **kwargs):
+        super().__init__(params, **kwargs)
+        self.clip_grad, self.tp_rank, self.data_parallel = clip_grad, tp_rank, data_parallel
+        self.updates, self.last_grad_norm = 0, None
+        self._nonfinite_loss = torch.zeros(())
+
+    def observe_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Called with each micro-batch loss: a non-finite one vetoes the next update even if
+        its gradients came out finite. Evaluation (no grad) is not observed."""
+        if not torch.is_grad_enabled():
+            return loss
+        self._nonfinite_loss = self._nonfinite_loss + (~torch.isfinite(loss.detach().float().cpu())).float()
+        return loss
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+        grads = [(p, p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip_grad is None:
+            bad = sum((~torch.isfinite(g)).sum() for _, g in grads) if grads else torch.zeros(())
+            flag = bad.float().reshape(1)
+        else:
+            counted = [g for p, g in grads if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0]
+            flag = (torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted
+                    else torch.zeros(())).reshape(1)
+        if self._nonfinite_loss.item() > 0:
+            flag = flag + math.inf
+        self._nonfinite_loss = torch.zeros(())
+        if dist.is_initialized():
+            dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
+        if self.clip_grad is None:
+            finite = flag.item() == 0   # counts of non-finite entries (inf for a bad loss)
+        else:
+            norm = math.sqrt(flag.item() / self.data_parallel) if math.isfinite(flag.item()) else math.inf
+            self.last_grad_norm = norm
+            finite = math.isfinite(norm)
+            if finite and self.clip_grad > 0 and norm > self.clip_grad:
+                for _, g in grads:
+                    g.mul_(self.clip_grad / (norm + 1e-6))
+        if not finite:
+            return None
+        self.updates += 1
+        return super().step(closure)

@@ -1,0 +1,96 @@
+"""Reading our DeepSpeed checkpoints at any layout: one TP=1 model state dict from the files of
+whatever TP x PP layout wrote them, and the check that decides how a checkpoint can be loaded.
+
+A checkpoint folder `iter_XXXXXXX/` holds DeepSpeed's files:
+  PP = 1   mp_rank_{tp:02d}_model_states.pt        {"module": state dict of TP rank tp, ...}
+  PP > 1   layer_{i:02d}-model_{tp:02d}-model_states.pt   one per pipeline piece i and TP rank
+           (piece 0 = embedding, 1..L = blocks, L+1 = final norm + LM head; see parallel/pipeline.py)
+           and mp_rank_{r:02d}_model_states.pt per stage x TP rank with the client state
+  ZeRO     zero_pp_rank_{dp}_mp_rank_{r:02d}_optim_states.pt (optimizer partitions)
+Our client state (in every mp_rank file) records the layout that wrote it.
+
+Weights can be re-sharded to any layout (merge_state_dicts -> split_state_dict). The optimizer
+state cannot: its ZeRO partitions are flat buffers cut by the writer's DP x TP x PP layout, and
+DeepSpeed's universal checkpoint conversion is not wired up. Loading at another layout therefore
+needs train.load_optimizer=false (Megatron's --no-load-optim); the error says so.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, ModelConfig
+from ..parallel.pipeline import to_model_names
+from ..parallel.tensor_parallel import merge_state_dicts
+
+
+def layout_record(layout, zero_stage: int) -> dict:
+    return {"tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data, "zero_stage": zero_stage}
+
+
+def describe(record: dict) -> str:
+    return (f"TP={record['tensor']}, PP={record['pipe']}, DP={record['data']}, "
+            f"ZeRO-{record['zero_stage']}")
+
+
+def optimizer_state_loadable(saved: dict, current: dict) -> bool:
+    """DeepSpeed can restore its optimizer files only into the layout that wrote them (the DP
+    size matters only when ZeRO partitions the state over it)."""
+    keys = ["tensor", "pipe", "zero_stage"] + (["data"] if current["zero_stage"] > 0 else [])
+    return all(saved[k] == current[k] for k in keys)
+
+
+def cross_layout_error(path: Path, saved: dict, current: dict) -> ConfigError:
+    return ConfigError(
+        f"checkpoint {path} was saved at {describe(saved)}; this run is {describe(current)}. "
+        f"The weights can be re-sharded to this layout but the optimizer state cannot (DeepSpeed "
+        f"partitions it by the saving layout). Set train.load_optimizer=false to load the weights "
+        f"with fresh optimizer state (the step, data position and LR schedule continue), or "
+        f"run at the saved layout to resume exactly.")
+
+
+def _load(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file {path} is missing: the checkpoint is incomplete "
+                                f"or was written by another layout than its record says.")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_client_state(ckpt: Path) -> dict:
+    """Our client state (step, layout, RNG...) from the first mp_rank file."""
+    return _load(Path(ckpt) / "mp_rank_00_model_states.pt")
+
+
+def read_model_state(ckpt: Path, cfg: ModelConfig, saved: dict) -> dict:
+    """The TP=1, unpadded LanguageModel state dict held by checkpoint folder `ckpt`."""
+    ckpt = Path(ckpt)
+    shards = []
+    for tp in range(saved["tensor"]):
+        if saved["pipe"] == 1:
+            shards.append(dict(_load(ckpt / f"mp_rank_{tp:02d}_model_states.pt")["module"]))
+            continue
+        shard = {}
+        for piece in range(cfg.n_layers + 2):
+            shard.update(to_model_names(piece, _load(ckpt / f"layer_{piece:02d}-model_{tp:02d}-model_states.pt"),
+                                        cfg.n_layers))
+        shards.append(shard)
+    return merge_state_dicts(shards, cfg)
+
+
+# RNG states as tensors and ints, so the files load with weights_only=True.
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
