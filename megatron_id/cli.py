@@ -51,11 +51,20 @@ def cmd_params(args) -> int:
 
 def cmd_train(args) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
-    from .training.engine import Trainer, init_distributed_from_env
+    import warnings
+    # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+    from .training.engine import NonFiniteTrainingError, Trainer, init_distributed_from_env
     cfg = load_config(args.config, args.overrides)   # config errors before any process group
     init_distributed_from_env()
     trainer = Trainer(cfg)
-    trainer.train()
+    try:
+        trainer.train()
+    except NonFiniteTrainingError as err:
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 1
     import torch.distributed as dist
     if dist.get_rank() == 0:
         t = cfg.train

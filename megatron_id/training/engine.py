@@ -206,6 +206,7 @@ class Trainer:
         losses = []
         metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0)
         start_step = self.step
+        metrics.header(self.cfg, start_step)
         try:
             end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
             while self.step < end and not self._stop_agreed():

@@ -20,6 +20,11 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))   # capped: a diverged loss must not overflow the log
 
 
+def progress_bar(fraction: float, width: int = 20) -> str:
+    filled = int(round(max(0.0, min(fraction, 1.0)) * width))
+    return "[" + "#" * filled + "." * (width - filled) + f"] {100 * fraction:3.0f}%"
+
+
 def memory_gib() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**30
@@ -41,6 +46,17 @@ class Metrics:
         self.start = self.last = time.time()
         self.first_step = None
 
+    def header(self, cfg, start_step: int) -> None:
+        """One line before the first step: what is trained, on which layout, for how long."""
+        if not self.is_logger:
+            return
+        m, lay, r = cfg.model, self.layout, report(cfg.model)
+        print(f"training {m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} ({r.parameters:,} parameters) | "
+              f"TP={lay.tensor} PP={lay.pipe} DP={lay.data} ZeRO-{cfg.train.zero_stage} | global batch "
+              f"{lay.global_batch_size} x {m.seq_length} tokens = micro-batch {lay.micro_batch_size} x "
+              f"{lay.gradient_accumulation} accumulation x {lay.data} DP | steps {start_step + 1}-{lay.train_iters}",
+              file=sys.stderr, flush=True)
+
     def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int, skipped: int = 0) -> dict:
         now = time.time()
         seconds, self.last = now - self.last, now
@@ -59,7 +75,7 @@ class Metrics:
         if self.is_logger and (step % self.interval == 0 or step == self.layout.train_iters):
             done = step - start_step
             eta = (now - self.start) / max(done, 1) * (self.layout.train_iters - step)
-            print(f"step {step}/{self.layout.train_iters} | loss {loss:.4f} | ppl {values['perplexity']:.1f} | "
+            print(f"step {step}/{self.layout.train_iters} {progress_bar(step / self.layout.train_iters)} | loss {loss:.4f} | ppl {values['perplexity']:.1f} | "
                   f"lr {lr:.2e} | grad {values.get('grad_norm', float('nan')):.3f} | "
                   f"{tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}% | "
                   f"mem {values['memory_gib']:.2f} GiB | skipped {skipped} | ETA {eta:,.0f} s", file=sys.stderr, flush=True)
