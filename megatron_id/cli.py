@@ -54,7 +54,8 @@ def cmd_train(args) -> int:
     import warnings
     # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
-    from .training.engine import NonFiniteTrainingError, Trainer, init_distributed_from_env
+    from .training.distributed import init_distributed_from_env
+    from .training.engine import NonFiniteTrainingError, Trainer
     cfg = load_config(args.config, args.overrides)   # config errors before any process group
     init_distributed_from_env()
     trainer = Trainer(cfg)

@@ -56,6 +56,8 @@ class ModelConfig:
     rope: Optional[bool] = None
     readout: Readout = Readout.hermitian
     output_gate: bool = False
+    # the LM head reuses the input embedding matrix [our choice: off, as in the paper's counts]
+    tie_embeddings: bool = False
     # tensor parallelism pads the vocabulary to a multiple of this x TP (Megatron's rule); the
     # padded logits are masked out of the loss, so padding never changes the model's function
     make_vocab_size_divisible_by: int = 128

@@ -249,3 +249,37 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(fineweb_prefix, tm
     assert len(record) == 5 and skipped == 3
     assert error.startswith("NonFiniteTrainingError: stopping at step 5: 3 steps in a row (3-5)"), error
     assert f"Last good checkpoint: {tmp_path / 'iter_0000004'} (step 4)" in error
+
+
+def _train_and_save(rank, world, items, path):
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
+    losses = [trainer.train_step() for _ in range(STEPS)]
+    trainer.save_checkpoint(path)
+    return losses, trainer._layout_record()
+
+
+@pytest.mark.slow
+def test_tied_embeddings_across_pipeline_stages(fineweb_prefix, tmp_path):
+    """model.tie_embeddings: the matrix lives on the first and the last stage (DeepSpeed's
+    TiedLayerSpec) and its two gradients are summed. Losses and the trained weights (read back
+    from each layout's checkpoint as one TP=1 state dict) equal the single-process run's."""
+    import torch
+    from megatron_id.training.checkpoint import read_model_state
+    cfg = load_config([CONFIGS / "model" / "tiny.yaml"], overrides(fineweb_prefix, 1, 0) + ["model.tie_embeddings=true"])
+    runs = {}
+    for tp, pp, world, zero in [(1, 1, 1, 0), (1, 2, 2, 1), (2, 2, 4, 0)]:
+        items = overrides(fineweb_prefix, tp, zero, pp) + ["model.tie_embeddings=true"]
+        path = tmp_path / f"{tp}{pp}{world}{zero}"
+        losses, record = run_distributed(_train_and_save, world, args=(items, path), timeout=300)[0]
+        runs[tp, pp] = losses, read_model_state(path / f"iter_{STEPS:07d}", cfg.model, record)
+    ref_losses, ref_weights = runs[1, 1]
+    assert ref_losses[-1] < ref_losses[0]
+    assert torch.equal(ref_weights["embed.weight"], ref_weights["lm_head.weight"])   # one matrix
+    for layout, (losses, weights) in runs.items():
+        for got, want in zip(losses, ref_losses):
+            assert abs(got - want) <= 1e-4 * abs(want), (layout, losses, ref_losses)
+        assert set(weights) == set(ref_weights), layout
+        for name, want in ref_weights.items():
+            err = ((weights[name] - want).norm() / want.norm()).item()
+            assert err <= 1e-4, (layout, name, err)

@@ -54,3 +54,11 @@ def test_flops_follow_their_conventions():
     inter_long = report(model_cfg("125m", "model.seq_length=8192"))
     assert soft_long.forward_flops_per_token - soft.forward_flops_per_token == 12 * 2 * 2 * 4096 * 768
     assert inter_long.forward_flops_per_token == inter.forward_flops_per_token
+
+
+def test_tied_embeddings_count_the_matrix_once():
+    untied, tied = report(model_cfg("125m")), report(model_cfg("125m", "model.tie_embeddings=true"))
+    head = 32000 * 768   # the LM head matrix that tying removes
+    assert untied.parameters - tied.parameters == head
+    assert untied.non_embedding_parameters - tied.non_embedding_parameters == head
+    assert tied.forward_flops_per_token == untied.forward_flops_per_token   # the head still runs

@@ -233,9 +233,9 @@ MODEL_CASES = {
     "interdomain": [], "s4d": ["model.mixer=s4d"], "softmax": ["model.mixer=softmax"],
     "no_query_readout": ["model.query_readout=false"], "single_input": ["model.dual_kv_input=false"],
     "no_rope": ["model.rope=false"], "plain_gate": ["model.readout=plain", "model.output_gate=true"],
-    "s4d_rope": ["model.mixer=s4d", "model.rope=true"],
+    "s4d_rope": ["model.mixer=s4d", "model.rope=true"], "tied": ["model.tie_embeddings=true"],
 }
-SP_CASES = ["interdomain", "s4d", "softmax", "no_query_readout"]
+SP_CASES = ["interdomain", "s4d", "softmax", "no_query_readout", "tied"]
 SEQ = 20   # not a multiple of the chunk (8); divisible by TP for sequence parallelism
 
 

@@ -107,3 +107,22 @@ def test_layout_and_generated_deepspeed_config():
     bad = cfg_with("train.global_batch_size=16", "train.micro_batch_size=2", "train.deepspeed.train_batch_size=32")
     with pytest.raises(ConfigError, match="train_batch_size differ"):
         deepspeed_config(bad, training_layout(bad, 1))
+
+
+def test_srun_per_process_launch_maps_to_torch_distributed(tmp_path, monkeypatch):
+    from megatron_id.training.distributed import environment_from_slurm
+    torchrun = {"RANK": "0", "SLURM_PROCID": "5"}
+    assert environment_from_slurm(torchrun) == {}   # torchrun inside srun: its variables win
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+             "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "1234"}
+    monkeypatch.setenv("PATH", str(tmp_path))       # no scontrol: a loud error, no localhost guess
+    with pytest.raises(RuntimeError, match="scontrol.*MASTER_ADDR"):
+        environment_from_slurm(slurm)
+    fake = tmp_path / "scontrol"                    # answers as SLURM does for an emulated node
+    fake.write_text('#!/bin/sh\nif [ "$2" = hostnames ]; then printf "node1\\nnode2\\n"; '
+                    'else echo "NodeName=$3 Arch=x86_64"; echo "   NodeAddr=10.0.0.7 NodeHostName=$3"; fi\n')
+    fake.chmod(0o755)
+    assert environment_from_slurm(slurm) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                             "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "21234"}
+    assert environment_from_slurm({**slurm, "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}

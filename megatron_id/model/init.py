@@ -26,8 +26,12 @@ def initialize(model: nn.Module, seed: int, prefix: str = "") -> None:
     """Initialise every parameter of `model`. `prefix` is the module's name inside the whole
     LanguageModel (e.g. "layers.3." for one pipeline-stage block), so a part initialised on its
     own gets exactly the values it would have in the whole model."""
+    seen = set()   # a tied parameter (embedding = LM head) is drawn once, by its first owner
     for module_name, module in model.named_modules(prefix=prefix.rstrip(".")):
         for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             full_name = f"{module_name}.{name}" if module_name else name
             if not hasattr(module, "initial_value"):
                 raise TypeError(f"{type(module).__name__} owns parameter '{full_name}' but has no "

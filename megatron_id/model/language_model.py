@@ -2,7 +2,7 @@
 
     h = embed(tokens)
     for each block:  h = h + mixer(RMSNorm(h));  h = h + SwiGLU(RMSNorm(h))
-    logits = lm_head(RMSNorm(h))                 (untied embeddings, no dropout)
+    logits = lm_head(RMSNorm(h))                 (untied embeddings unless model.tie_embeddings; no dropout)
 
 Init: N(0, init_std) everywhere, residual output projections (mixer o_proj, SwiGLU w2) with
 init_std / sqrt(2 L) (GPT-2). See init.py for how each parameter gets its own generator.
@@ -59,6 +59,8 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, residual_std, form) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.init_std)
+        if cfg.tie_embeddings:   # one [vocab, d] matrix, initialised as the embedding
+            self.lm_head.weight = self.embed.weight
         # recompute each block in backward instead of storing its activations (train.activation_checkpointing)
         self.activation_checkpointing = False
         if seed is not None:

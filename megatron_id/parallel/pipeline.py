@@ -3,7 +3,10 @@
 The model is the same single-device LanguageModel, built on the meta device (no memory) and
 tensor-parallelised there; its pieces become the pipeline's layer list
 
-    [EmbeddingStage, BlockStage(0), ..., BlockStage(L-1), HeadStage]      -> loss_fn(logits, labels)
+    [EmbeddingStage, BlockStage(0), ..., BlockStage(L-1), FinalNormStage, HeadStage] -> loss_fn
+
+(with model.tie_embeddings the first and last are one TiedEmbeddingStage, DeepSpeed's
+TiedLayerSpec)
 
 and DeepSpeed builds (materialises and initialises) only the pieces of this rank's stage, so a
 stage never holds the whole model. Blocks are balanced across stages (the embedding joins the
@@ -53,6 +56,21 @@ class EmbeddingStage(nn.Module):
         return self.embed(tokens)
 
 
+class TiedEmbeddingStage(EmbeddingStage):
+    """The embedding and the LM head sharing one matrix (model.tie_embeddings). DeepSpeed builds
+    one on the first and one on the last stage (TiedLayerSpec), broadcasts the first's weight to
+    the last at start and all-reduces the weight's gradient between the two every step."""
+
+    def __init__(self, model: LanguageModel, seed: int | None, device):
+        super().__init__(model, seed, device)
+        self.lm_head = model.lm_head   # no parameter of its own once re-tied
+        self.lm_head.weight = self.embed.weight
+
+    @staticmethod
+    def logits(stage: "TiedEmbeddingStage", h):
+        return stage.lm_head(h)
+
+
 class BlockStage(nn.Module):
     def __init__(self, model: LanguageModel, index: int, seed: int | None, device):
         super().__init__()
@@ -62,33 +80,58 @@ class BlockStage(nn.Module):
         return self.block(h)
 
 
-class HeadStage(nn.Module):
-    """Final norm and LM head; returns vocabulary-sharded logits (the loss runs after it)."""
-
+class FinalNormStage(nn.Module):
     def __init__(self, model: LanguageModel, seed: int | None, device):
         super().__init__()
         self.norm = _materialise(model.norm, "norm", seed, device)
+
+    def forward(self, h):
+        return self.norm(h)
+
+
+class HeadStage(nn.Module):
+    """The LM head; returns vocabulary-sharded logits (the loss runs after it)."""
+
+    def __init__(self, model: LanguageModel, seed: int | None, device):
+        super().__init__()
         self.lm_head = _materialise(model.lm_head, "lm_head", seed, device)
 
     def forward(self, h):
-        return self.lm_head(self.norm(h))
+        return self.lm_head(h)
 
 
+# Pieces: 0 embedding, 1..L blocks, L+1 final norm, L+2 LM head. Checkpoint files and state
+# dicts are per piece; with tied embeddings piece L+2 has none (piece 0 holds the matrix).
 def to_model_names(index: int, piece_state: dict, n_layers: int) -> dict:
-    """The state dict of pipeline layer `index` -> LanguageModel keys."""
+    """The state dict of pipeline piece `index` -> LanguageModel keys."""
     if 1 <= index <= n_layers:
         return {f"layers.{index - 1}." + k.removeprefix("block."): v for k, v in piece_state.items()}
-    return dict(piece_state)   # embed.weight / norm.weight, lm_head.weight are already model keys
+    return dict(piece_state)   # embed.weight (lm_head.weight if tied), norm.weight, lm_head.weight
 
 
-def from_model_names(full: dict, index: int, n_layers: int) -> dict:
-    """The LanguageModel-keyed state dict -> the state dict of pipeline layer `index`."""
+def from_model_names(full: dict, index: int, n_layers: int, tied: bool = False) -> dict:
+    """The LanguageModel-keyed state dict -> the state dict of pipeline piece `index`."""
     if index == 0:
-        return {k: v for k, v in full.items() if k.startswith("embed.")}
+        keys = ("embed.", "lm_head.") if tied else ("embed.",)
+        return {k: v for k, v in full.items() if k.startswith(keys)}
     if index == n_layers + 1:
-        return {k: v for k, v in full.items() if k.startswith(("norm.", "lm_head."))}
+        return {k: v for k, v in full.items() if k.startswith("norm.")}
+    if index == n_layers + 2:
+        return {} if tied else {k: v for k, v in full.items() if k.startswith("lm_head.")}
     prefix = f"layers.{index - 1}."
     return {"block." + k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+
+
+def pipeline_state_dict(full: dict, module, n_layers: int, tied: bool) -> dict:
+    """This rank's TP shard of the model (LanguageModel keys) -> keys of its PipelineModule
+    (`<piece>.<name>`, tied pieces under `tied_modules.embed.`)."""
+    out = {}
+    for piece in range(module._local_start, module._local_stop):
+        if tied and piece in (0, n_layers + 2):
+            out.update({f"tied_modules.embed.{k}": v for k, v in from_model_names(full, 0, n_layers, True).items()})
+        else:
+            out.update({f"{piece}.{k}": v for k, v in from_model_names(full, piece, n_layers).items()})
+    return out
 
 
 def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, loss_vocab: int,
@@ -97,14 +140,19 @@ def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, lo
     """The PipelineModule for `cfg` on `topology` (DeepSpeed's PipeModelDataParallelTopology;
     its model axis is `tp_group`). The loss is the vocab-parallel cross entropy over the first
     `loss_vocab` entries (the padding is masked)."""
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     with torch.device("meta"):
         meta = LanguageModel(cfg, seed=None)
     parallelize(meta, tp_group, sequence_parallel=sequence_parallel)
-    specs = [LayerSpec(EmbeddingStage, meta, seed, device)]
-    specs += [LayerSpec(BlockStage, meta, i, seed, device) for i in range(cfg.n_layers)]
-    specs += [LayerSpec(HeadStage, meta, seed, device)]
+    if cfg.tie_embeddings:
+        first = TiedLayerSpec("embed", TiedEmbeddingStage, meta, seed, device, tied_weight_attr=["embed.weight"])
+        last = TiedLayerSpec("embed", TiedEmbeddingStage, meta, seed, device, tied_weight_attr=["embed.weight"],
+                             forward_fn=TiedEmbeddingStage.logits)
+    else:
+        first, last = LayerSpec(EmbeddingStage, meta, seed, device), LayerSpec(HeadStage, meta, seed, device)
+    specs = [first] + [LayerSpec(BlockStage, meta, i, seed, device) for i in range(cfg.n_layers)]
+    specs += [LayerSpec(FinalNormStage, meta, seed, device), last]
 
     def loss_fn(logits, labels):
         return vocab_parallel_cross_entropy(logits, labels, tp_group, loss_vocab).mean()

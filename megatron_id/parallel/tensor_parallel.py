@@ -129,6 +129,8 @@ def parallelize(model: nn.Module, group, *, sequence_parallel: bool = False) -> 
             block.mixer.register_forward_pre_hook(_gather_sequence_hook(group), with_kwargs=True)
             block.ffn.register_forward_pre_hook(_gather_sequence_hook(group), with_kwargs=True)
         model.lm_head.register_forward_pre_hook(_gather_sequence_hook(group), with_kwargs=True)
+    if cfg.tie_embeddings:   # both were sharded alike (vocabulary rows, same padding): share again
+        model.lm_head.weight = model.embed.weight
     model.tp_group, model.sequence_parallel = group, sp
     return model
 

@@ -4,7 +4,8 @@ whatever TP x PP layout wrote them, and the check that decides how a checkpoint 
 A checkpoint folder `iter_XXXXXXX/` holds DeepSpeed's files:
   PP = 1   mp_rank_{tp:02d}_model_states.pt        {"module": state dict of TP rank tp, ...}
   PP > 1   layer_{i:02d}-model_{tp:02d}-model_states.pt   one per pipeline piece i and TP rank
-           (piece 0 = embedding, 1..L = blocks, L+1 = final norm + LM head; see parallel/pipeline.py)
+           (piece 0 = embedding, 1..L = blocks, L+1 = final norm, L+2 = LM head, absent when
+           tied to the embedding; see parallel/pipeline.py)
            and mp_rank_{r:02d}_model_states.pt per stage x TP rank with the client state
   ZeRO     zero_pp_rank_{dp}_mp_rank_{r:02d}_optim_states.pt (optimizer partitions)
 Our client state (in every mp_rank file) records the layout that wrote it.
@@ -73,7 +74,7 @@ def read_model_state(ckpt: Path, cfg: ModelConfig, saved: dict) -> dict:
             shards.append(dict(_load(ckpt / f"mp_rank_{tp:02d}_model_states.pt")["module"]))
             continue
         shard = {}
-        for piece in range(cfg.n_layers + 2):
+        for piece in range(cfg.n_layers + (2 if cfg.tie_embeddings else 3)):   # tied: no head file
             shard.update(to_model_names(piece, _load(ckpt / f"layer_{piece:02d}-model_{tp:02d}-model_states.pt"),
                                         cfg.n_layers))
         shards.append(shard)

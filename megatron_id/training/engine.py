@@ -37,7 +37,7 @@ from ..config import Config
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, parse_data_path
 from ..model import LanguageModel
 from ..parallel import parallelize, state, vocab_parallel_cross_entropy
-from ..parallel.pipeline import from_model_names, pipeline_model
+from ..parallel.pipeline import pipeline_model, pipeline_state_dict
 from ..parallel.tensor_parallel import split_state_dict
 from .checkpoint import (cross_layout_error, describe, layout_record, optimizer_state_loadable,
                          read_client_state, read_model_state, rng_state, set_rng_state)
@@ -334,24 +334,7 @@ class Trainer:
         local = split_state_dict(full, self.cfg.model, self.layout.tensor)[dist.get_rank(self.tp_group)]
         module = self.engine.module
         if self.pipelined:
-            n = self.cfg.model.n_layers
-            local = {f"{piece}.{k}": v for piece in range(module._local_start, module._local_stop)
-                     for k, v in from_model_names(local, piece, n).items()}
+            local = pipeline_state_dict(local, module, self.cfg.model.n_layers, self.cfg.model.tie_embeddings)
         module.load_state_dict(local, strict=True)
         if hasattr(self.engine.optimizer, "refresh_fp32_params"):   # ZeRO keeps fp32 master copies
             self.engine.optimizer.refresh_fp32_params()
-
-
-def init_distributed_from_env() -> None:
-    """torchrun / srun / deepspeed launcher environments; gloo on CPU, nccl on GPU. A plain
-    `python` start becomes a one-process group."""
-    import deepspeed
-    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)

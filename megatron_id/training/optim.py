@@ -69,7 +69,9 @@ class GuardedAdamW(torch.optim.AdamW):
 
     Norm rule (as Megatron's): a TP shard counts on its own rank; a parameter replicated over
     TP counts on TP rank 0 only; every pipeline stage counts its own; data-parallel replicas
-    hold the same gradients after the all-reduce, so the world-wide sum is divided by DP.
+    hold the same gradients after the all-reduce, so the world-wide sum is divided by DP; a
+    weight tied across pipeline stages counts on its first stage only (DeepSpeed marks the other
+    copies ds_pipe_replicated).
     """
 
     def __init__(self, params, *, clip_grad: float | None, tp_rank: int = 0, data_parallel: int = 1, **kwargs):
@@ -94,7 +96,8 @@ class GuardedAdamW(torch.optim.AdamW):
             bad = sum((~torch.isfinite(g)).sum() for _, g in grads) if grads else torch.zeros(())
             flag = bad.float().reshape(1)
         else:
-            counted = [g for p, g in grads if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0]
+            counted = [g for p, g in grads if not getattr(p, "ds_pipe_replicated", False)
+                       and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)]
             flag = (torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted
                     else torch.zeros(())).reshape(1)
         if self._nonfinite_loss.item() > 0:
