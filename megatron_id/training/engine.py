@@ -1,25 +1,29 @@
-"""The training step on DeepSpeed's engine: tensor x data parallelism with ZeRO 0/1/2.
-
-Status (issue 5, in progress): the plain engine (TP x DP, ZeRO 0/1/2) with checkpoints, logging,
-periodic validation, activation checkpointing and `megatron-id train`. Not built yet: pipeline
-stages (PipelineModule), skipping non-finite steps, loading at another TP/PP layout, the
-quickstart.
+"""The training loop on DeepSpeed: tensor x pipeline x data parallelism, ZeRO 0/1/2.
 
     trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
     trainer.train()                   # resumes from train.load; saves to train.save
 
-Checkpoints: `<save>/iter_0000100/` (DeepSpeed's model and ZeRO optimizer files, plus our
-client state: step, evaluations done, RNG states; tokens and data position follow from step) and `<save>/latest` naming the newest complete one.
-A save goes to `<save>/.incomplete/<tag>` first, is renamed into place when every rank has
-written, and only then is `latest` replaced (atomically): a kill at any moment leaves `latest`
-on a complete checkpoint. The last `train.keep_last` are kept. SIGTERM and SIGUSR1 (SLURM
-preemption, `#SBATCH --signal=USR1@120`) finish the current step, save and exit.
+Engines: PP = 1 uses DeepSpeed's plain engine (ZeRO 0/1/2) with the tensor-parallel model and
+our `parallel.state` as mpu; PP > 1 uses its PipelineEngine (1F1B schedule, ZeRO 0/1) on the
+PipelineModule of parallel/pipeline.py, whose grid comes from the same topology.
 
 Order of a step: the scheduled LR (in tokens) is applied to every group (the SSM group capped),
 then `gradient_accumulation` micro-batches go through forward (bf16 autocast when
 train.precision=bf16; the SSM core runs in float32 regardless), the vocab-parallel loss and
-DeepSpeed's backward/step, which averages gradients over the data-parallel group, clips and
-steps at the accumulation boundary. The returned loss is the mean over the global batch.
+backward; at the accumulation boundary gradients are averaged over data parallelism, clipped
+(ZeRO-0: by GuardedAdamW, ZeRO-1/2: by DeepSpeed) and applied, unless any loss or gradient was
+not finite: then the update is skipped on every rank, counted, and train.max_nonfinite_in_a_row
+skipped steps in a row stop the run with NonFiniteTrainingError (naming the step and the last
+good checkpoint). The returned loss is the mean over the global batch.
+
+Checkpoints: `<save>/iter_0000100/` (DeepSpeed's model and ZeRO optimizer files, plus our client
+state: step, evaluations done, skipped steps, the saving layout, RNG states; tokens and data
+position follow from the step) and `<save>/latest` naming the newest complete one. A save goes
+to `<save>/.incomplete/<tag>` first, is renamed into place when every rank has written, and only
+then is `latest` replaced (atomically): a kill at any moment leaves `latest` on a complete
+checkpoint. The last `train.keep_last` are kept. SIGTERM and SIGUSR1 (SLURM preemption,
+`#SBATCH --signal=USR1@120`) finish the current step, save and exit. Loading at another TP/PP/DP
+layout re-shards the weights (train.load_optimizer=false; see checkpoint.py).
 """
 from __future__ import annotations
 
