@@ -131,7 +131,8 @@ def test_megatron_id_train_under_torchrun_logs_to_tensorboard(fineweb_prefix, tm
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"step {STEPS}/{STEPS} | loss" in done.stderr and "MFU" in done.stderr
+    assert f"step {STEPS}/{STEPS} [{'#' * 20}] 100% | loss" in done.stderr and "MFU" in done.stderr
+    assert "TP=1 PP=1 DP=2 ZeRO-1 | global batch 4 x 64 tokens" in done.stderr   # the header
     assert f"checkpoint: {tmp_path / 'ckpt'}" in done.stderr
     assert (tmp_path / "ckpt" / "latest").read_text() == f"iter_{STEPS:07d}"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
