@@ -126,3 +126,31 @@ def test_srun_per_process_launch_maps_to_torch_distributed(tmp_path, monkeypatch
                                              "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "21234"}
     assert environment_from_slurm({**slurm, "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == {
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+
+
+def test_guarded_adamw_clips_and_vetoes_nonfinite_losses_and_gradients():
+    from megatron_id.training.optim import GuardedAdamW
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = GuardedAdamW([p], clip_grad=1.0, lr=0.1)
+    p.grad = torch.tensor([6.0, 8.0, 0.0, 0.0])          # norm 10 -> clipped to 1
+    opt.step()
+    assert opt.updates == 1 and opt.last_grad_norm == pytest.approx(10.0)
+    assert torch.allclose(p.grad, torch.tensor([0.6, 0.8, 0.0, 0.0]), atol=1e-6)
+    before = p.detach().clone()
+    opt.observe_loss(torch.tensor(float("nan")))        # finite gradients, non-finite loss
+    p.grad = torch.ones(4)
+    opt.step()
+    assert opt.updates == 1 and torch.equal(p.detach(), before)
+    p.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])  # finite loss, non-finite gradient
+    opt.observe_loss(torch.tensor(2.0))
+    opt.step()
+    assert opt.updates == 1 and opt.last_grad_norm == math.inf and torch.equal(p.detach(), before)
+    with torch.no_grad():                                 # evaluation losses are not observed
+        opt.observe_loss(torch.tensor(float("nan")))
+    p.grad = torch.ones(4)
+    opt.step()
+    assert opt.updates == 2 and not torch.equal(p.detach(), before)
+    partition = GuardedAdamW([p], clip_grad=None, lr=0.1)   # under ZeRO: checks only
+    p.grad = torch.tensor([1.0, float("nan"), 0.0, 0.0])
+    partition.step()
+    assert partition.updates == 0

@@ -78,37 +78,43 @@ class GuardedAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.clip_grad, self.tp_rank, self.data_parallel = clip_grad, tp_rank, data_parallel
         self.updates, self.last_grad_norm = 0, None
-        self._nonfinite_loss = torch.zeros(())
+        self._nonfinite_losses = None   # on the loss's device: no host sync per micro-batch
 
     def observe_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Called with each micro-batch loss: a non-finite one vetoes the next update even if
         its gradients came out finite. Evaluation (no grad) is not observed."""
         if not torch.is_grad_enabled():
             return loss
-        self._nonfinite_loss = self._nonfinite_loss + (~torch.isfinite(loss.detach().float().cpu())).float()
+        bad = (~torch.isfinite(loss.detach())).float().sum()
+        self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad
         return loss
 
     @torch.no_grad()
     def step(self, closure=None):
         import torch.distributed as dist
-        grads = [(p, p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self.clip_grad is None:
-            bad = sum((~torch.isfinite(g)).sum() for _, g in grads) if grads else torch.zeros(())
-            flag = bad.float().reshape(1)
-        else:
-            counted = [g for p, g in grads if not getattr(p, "ds_pipe_replicated", False)
-                       and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)]
-            flag = (torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted
-                    else torch.zeros(())).reshape(1)
-        if self._nonfinite_loss.item() > 0:
-            flag = flag + math.inf
-        self._nonfinite_loss = torch.zeros(())
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        device = params[0].device if params else torch.device("cpu")
+        flag = torch.zeros(1, device=device)   # summed over all ranks below
+        if self.clip_grad is None:   # ZeRO partition: count non-finite entries
+            for _, g in grads:
+                flag += (~torch.isfinite(g)).sum()
+        else:                        # squared norm of what this rank counts
+            for p, g in grads:
+                if not getattr(p, "ds_pipe_replicated", False) and (
+                        getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0):
+                    flag += g.float().pow(2).sum()
+        if self._nonfinite_losses is not None:
+            bad_loss = self._nonfinite_losses.to(device) > 0
+            flag += torch.where(bad_loss, math.inf, 0.0)
+            self._nonfinite_losses = None
         if dist.is_initialized():
             dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
+        total = flag.item()
         if self.clip_grad is None:
-            finite = flag.item() == 0   # counts of non-finite entries (inf for a bad loss)
+            finite = total == 0
         else:
-            norm = math.sqrt(flag.item() / self.data_parallel) if math.isfinite(flag.item()) else math.inf
+            norm = math.sqrt(total / self.data_parallel) if math.isfinite(total) else math.inf
             self.last_grad_norm = norm
             finite = math.isfinite(norm)
             if finite and self.clip_grad > 0 and norm > self.clip_grad:
