@@ -26,7 +26,9 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout"],
+        # loading exported folders with AutoModelForCausalLM (exporting itself needs only safetensors)
+        "hf": ["transformers>=5.0,<6"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<6"],
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },

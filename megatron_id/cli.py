@@ -3,6 +3,9 @@
     megatron-id params --config configs/model/125m.yaml [key=value ...]
     megatron-id preprocess --input ... --tokenizer ... --output-prefix ...   (= python -m data_tools.preprocess)
     torchrun --nproc-per-node N -m megatron_id.cli train --config run.yaml [key=value ...]
+    megatron-id export-hf --checkpoint runs/x/checkpoints --output runs/x/hf
+    megatron-id import-hf --input runs/x/hf --output runs/y/checkpoints --tensor-parallel 2
+    megatron-id generate --checkpoint runs/x/hf --prompt "The water cycle" --max-new-tokens 50
 """
 from __future__ import annotations
 
@@ -75,6 +78,37 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    from .hf.export import export_hf
+    out = export_hf(args.checkpoint, args.output, tokenizer=args.tokenizer,
+                    prefill_chunk_size=args.prefill_chunk_size)
+    print(f"exported {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained("
+          f"'{out}', trust_remote_code=True))")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from .hf.export import import_hf
+    out = import_hf(args.input, args.output, args.tensor_parallel, args.pipeline_parallel)
+    print(f"imported {args.input} -> {out} (TP={args.tensor_parallel}, PP={args.pipeline_parallel}; "
+          f"weights only: train with train.load={out})")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .hf.generate import generate_ids, load_model_and_tokenizer, stream_text
+    import torch
+    model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
+    prompt = tokenizer.encode(args.prompt).ids
+    sys.stdout.write(args.prompt)
+    stream_text(tokenizer, generate_ids(
+        model, prompt, args.max_new_tokens, eos_id=None if args.ignore_eos else eos,
+        temperature=args.temperature, top_k=args.top_k, prefill_chunk_size=args.prefill_chunk_size,
+        generator=torch.Generator().manual_seed(args.seed)))
+    sys.stdout.write("\n")
+    return 0
+
+
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -95,6 +129,29 @@ def main(argv=None) -> int:
     t = sub.add_parser("train", help="train with DeepSpeed (launch with torchrun / srun / deepspeed)")
     _add_config_args(t)
     t.set_defaults(func=cmd_train)
+    e = sub.add_parser("export-hf", help="a training checkpoint -> a Hugging Face folder")
+    e.add_argument("--checkpoint", required=True, help="train.save folder (uses `latest`) or an iter_ folder")
+    e.add_argument("--output", required=True)
+    e.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the checkpoint)")
+    e.add_argument("--prefill-chunk-size", type=int, default=2048)
+    e.set_defaults(func=cmd_export_hf)
+    i = sub.add_parser("import-hf", help="an exported folder -> a training checkpoint at any TP/PP")
+    i.add_argument("--input", required=True)
+    i.add_argument("--output", required=True)
+    i.add_argument("--tensor-parallel", type=int, default=1)
+    i.add_argument("--pipeline-parallel", type=int, default=1)
+    i.set_defaults(func=cmd_import_hf)
+    g = sub.add_parser("generate", help="stream text from a training checkpoint or an exported folder")
+    g.add_argument("--checkpoint", required=True, help="train.save folder, iter_ folder or exported folder")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prefill-chunk-size", type=int, default=2048)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--tokenizer")
+    g.set_defaults(func=cmd_generate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

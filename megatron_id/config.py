@@ -82,6 +82,7 @@ class DataConfig:
     data_path: list[str] = field(default_factory=list)
     split: str = "969,30,1"
     index_cache_dir: Optional[str] = None   # None: <folder of the first prefix>/index-cache
+    tokenizer: Optional[str] = None          # the data's tokenizer.json: recorded in checkpoints for export
 
 
 @dataclass

@@ -28,6 +28,18 @@ from ..parallel.pipeline import to_model_names
 from ..parallel.tensor_parallel import merge_state_dicts
 
 
+def model_config_dict(cfg: ModelConfig) -> dict:
+    """The model config as plain values (enums as strings): loads with weights_only=True."""
+    import dataclasses
+    from enum import Enum
+    return {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+
+
 def layout_record(layout, zero_stage: int) -> dict:
     return {"tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data, "zero_stage": zero_stage}
 

@@ -43,7 +43,7 @@ from ..model import LanguageModel
 from ..parallel import parallelize, state, vocab_parallel_cross_entropy
 from ..parallel.pipeline import pipeline_model, pipeline_state_dict
 from ..parallel.tensor_parallel import split_state_dict
-from .checkpoint import (cross_layout_error, describe, layout_record, optimizer_state_loadable,
+from .checkpoint import (cross_layout_error, describe, layout_record, model_config_dict, optimizer_state_loadable,
                          read_client_state, read_model_state, rng_state, set_rng_state)
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
@@ -278,7 +278,9 @@ class Trainer:
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         client = {"step": self.step, "evaluations": self.evaluations, "skipped_steps": self.skipped_steps,
-                  "layout": self._layout_record(), "rng": rng_state()}
+                  "layout": self._layout_record(), "model": model_config_dict(self.cfg.model),
+                  "tokenizer": str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
+                  "rng": rng_state()}
         self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
         dist.barrier()   # every rank's files are written
         if rank0:
@@ -315,7 +317,9 @@ class Trainer:
             raise FileNotFoundError(f"{root}/latest names '{tag}' but {path} does not exist.")
         client = read_client_state(path)
         saved, current = client.get("layout", self._layout_record()), self._layout_record()
-        if optimizer_state_loadable(saved, current) and self.cfg.train.load_optimizer:
+        if client.get("weights_only"):   # written by `megatron-id import-hf`: weights, no optimizer
+            self._load_weights(read_model_state(path, self.cfg.model, saved))
+        elif optimizer_state_loadable(saved, current) and self.cfg.train.load_optimizer:
             _, loaded = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                     load_lr_scheduler_states=False)
             if loaded is None:
@@ -331,7 +335,8 @@ class Trainer:
         self.step = client["step"]
         self.evaluations = client.get("evaluations", 0)
         self.skipped_steps = client.get("skipped_steps", 0)
-        set_rng_state(client["rng"])
+        if "rng" in client:
+            set_rng_state(client["rng"])
 
     def _load_weights(self, full: dict) -> None:
         """A TP=1 model state dict -> this rank's shard (and pipeline pieces)."""

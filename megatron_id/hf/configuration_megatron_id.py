@@ -1,0 +1,24 @@
+"""Hugging Face configuration of an exported megatron_id model (standalone: transformers only).
+
+`model` holds the training config's `model` section verbatim (megatron_id/config.py); the
+standard names (vocab_size, hidden_size, ...) are derived from it for tools that read them.
+`prefill_chunk_size` bounds prefill memory: longer prompts run through the model in chunks of
+this many tokens, carrying the recurrent state (or KV cache) from chunk to chunk.
+"""
+from transformers import PretrainedConfig
+
+
+class MegatronIDConfig(PretrainedConfig):
+    model_type = "megatron_id"
+
+    def __init__(self, model: dict | None = None, prefill_chunk_size: int = 2048, **kwargs):
+        self.model = dict(model or {})
+        self.prefill_chunk_size = prefill_chunk_size
+        self.use_cache = kwargs.pop("use_cache", True)
+        m = self.model
+        self.vocab_size = m.get("vocab_size")
+        self.hidden_size = m.get("d_model")
+        self.num_hidden_layers = m.get("n_layers")
+        self.num_attention_heads = m.get("n_heads")
+        kwargs.setdefault("tie_word_embeddings", bool(m.get("tie_embeddings", False)))
+        super().__init__(**kwargs)
