@@ -233,3 +233,19 @@ def test_megatron_id_generate_streams_what_hf_generate_produces(checkpoints, tmp
         assert done.stdout == want + "\n", (done.stdout, want)
     assert main(["export-hf", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "cli")]) == 0
     assert (tmp_path / "cli" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_export_of_the_cube_switches_and_tied_embeddings(fineweb_prefix, tmp_path):
+    """The other corners of the config: linear-contraction readout, single SSM input, output
+    gate, plain readout, tied embeddings (one matrix in the checkpoint, two keys in the export)."""
+    from megatron_id.hf.export import export_hf
+    items = train_items(fineweb_prefix, 1, 1, "interdomain") + [
+        "model.query_readout=false", "model.dual_kv_input=false", "model.output_gate=true",
+        "model.readout=plain", "model.tie_embeddings=true"]
+    engine_logits = run_distributed(_train_save_logits, 1, args=(items, tmp_path / "ckpt"), timeout=300)[0]
+    model, _ = load_exported(export_hf(tmp_path / "ckpt", tmp_path / "hf"))
+    assert model.model.lm_head.weight is model.model.embed.weight
+    with torch.no_grad():
+        logits = model(probe_batch(), use_cache=False).logits
+    assert ((logits - engine_logits).norm() / engine_logits.norm()).item() <= 1e-5

@@ -73,6 +73,9 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MegatronIDConfig
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
+    # applied by transformers only when config.tie_word_embeddings (model.tie_embeddings) is set:
+    # loading builds the modules on the meta device, which unties the training model's own tie
+    _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}
 
     def __init__(self, config: MegatronIDConfig):
         super().__init__(config)
