@@ -24,9 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from allocator import ALLOCATOR_ENV  # noqa: E402  (benchmarks/allocator.py, beside this file)
 PREFIXES = [512, 1024, 2048, 4096, 8192, 16384]
 MIXERS = ["interdomain", "softmax"]
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
 def build(mixer: str):

@@ -25,8 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from allocator import ALLOCATOR_ENV  # noqa: E402  (benchmarks/allocator.py, beside this file)
 
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 LAYER_KINDS = ["interdomain", "s4d", "softmax", "naive"]   # naive = interdomain layer, naive form
 
 
@@ -76,7 +76,7 @@ def worker_train(kind: str, N: int, reps: int, device_name: str) -> dict:
     cfg = _config(kind, device)
     g = torch.Generator().manual_seed(0)
     if kind.startswith("core_"):
-        H, Dh, M = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.state_size
+        H, Dh = cfg.n_heads, cfg.d_model // cfg.n_heads
         layer = build_mixer(cfg, cfg.init_std)
         initialize(layer, 0)
         params = [p.detach().to(device).requires_grad_() for p in layer.core_parameters()]
@@ -202,7 +202,7 @@ def main():
     peak = matmul_peak(device)
     cfg = _config("interdomain", None)
     flops_token = 3 * mixer_forward_flops_per_token(cfg)
-    print(f"\n## achieved throughput of the interdomain layer (chunked), forward + backward\n")
+    print("\n## achieved throughput of the interdomain layer (chunked), forward + backward\n")
     print(f"measured fp32 matmul peak (2048^3): {peak:.0f} GFLOP/s; layer FLOPs per token "
           f"(3 x forward, as `megatron-id params` counts them): {flops_token / 1e6:.1f} MFLOP\n")
     print("| N | GFLOP/s | % of matmul peak |")

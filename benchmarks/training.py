@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from allocator import ALLOCATOR_ENV  # noqa: E402  (benchmarks/allocator.py, beside this file)
 
 MODELS = {
     "tiny": ["model.vocab_size=50257"],
@@ -35,7 +36,6 @@ MODELS = {
 }
 # (TP, PP, DP, ZeRO stage)
 LAYOUTS = [(1, 1, 1, 0), (1, 1, 2, 1), (1, 1, 2, 2), (2, 1, 1, 1), (1, 2, 1, 1)]
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
 def worker(args) -> None:

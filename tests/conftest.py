@@ -27,3 +27,14 @@ def tiny_config():
     def make(*overrides):
         return load_config([CONFIGS / "model" / "tiny.yaml"], list(overrides)).model
     return make
+
+
+@pytest.fixture(scope="session")
+def fineweb_prefix(tmp_path_factory):
+    """The bundled FineWeb-Edu sample preprocessed with the GPT-2 tokenizer (once per session)."""
+    from data_tools.preprocess import main as preprocess
+    out = tmp_path_factory.mktemp("data") / "fineweb"
+    assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"),
+                       "--tokenizer", str(ROOT / "tests/data/gpt2-tokenizer.json"),
+                       "--output-prefix", str(out), "--append-eod", "--no-progress"]) == 0
+    return f"{out}_text_document"

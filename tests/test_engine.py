@@ -9,16 +9,6 @@ from megatron_id.config import load_config
 STEPS = 5
 
 
-@pytest.fixture(scope="module")
-def fineweb_prefix(tmp_path_factory):
-    from data_tools.preprocess import main as preprocess
-    out = tmp_path_factory.mktemp("data") / "fineweb"
-    assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"),
-                       "--tokenizer", str(ROOT / "tests/data/gpt2-tokenizer.json"),
-                       "--output-prefix", str(out), "--append-eod", "--no-progress"]) == 0
-    return f"{out}_text_document"
-
-
 def overrides(prefix, tp, zero, pp=1):
     return [f"data.data_path=[{prefix}]", "data.split=100,0,0", "model.vocab_size=50257",
             f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",

@@ -14,15 +14,6 @@ TOKENIZER = ROOT / "tests/data/gpt2-tokenizer.json"
 MIXERS = {"interdomain": [], "softmax": ["model.mixer=softmax"], "s4d": ["model.mixer=s4d"]}
 
 
-@pytest.fixture(scope="module")
-def fineweb_prefix(tmp_path_factory):
-    from data_tools.preprocess import main as preprocess
-    out = tmp_path_factory.mktemp("data") / "fineweb"
-    assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"), "--tokenizer",
-                       str(TOKENIZER), "--output-prefix", str(out), "--append-eod", "--no-progress"]) == 0
-    return f"{out}_text_document"
-
-
 def train_items(prefix, tp, pp, mixer):
     return MIXERS[mixer] + [
         f"data.data_path=[{prefix}]", "data.split=100,0,0", f"data.tokenizer={TOKENIZER}",
@@ -39,11 +30,17 @@ def probe_batch():
 def _train_save_logits(rank, world, items, path):
     """Train 2 steps, save, and return the engine's logits on the probe batch at this layout
     (gathered over TP; from the last pipeline stage)."""
-    from megatron_id.parallel import gather_logits, state
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
     trainer.train(max_steps=2)
     trainer.save_checkpoint(path)
+    return engine_logits(trainer)
+
+
+def engine_logits(trainer):
+    """The engine's logits on the probe batch at its layout, gathered over TP; None on ranks
+    that do not hold them (all but the last pipeline stage)."""
+    from megatron_id.parallel import gather_logits, state
     batch = probe_batch()
     with torch.no_grad():
         if trainer.pipelined:
@@ -127,16 +124,8 @@ def test_the_trainer_continues_from_an_imported_folder(checkpoints, fineweb_pref
 
 
 def _logits_after_load(rank, world, items):
-    from megatron_id.parallel import gather_logits, state
     from megatron_id.training.engine import Trainer
-    trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
-    batch = probe_batch()
-    trainer.engine.reset_activation_shape()
-    with torch.no_grad():
-        out = trainer.engine.eval_batch(iter([(batch, batch)]), return_logits=True, num_micro_batches=1)
-    if not trainer.engine.is_last_stage():
-        return None
-    return gather_logits(out[1], state.get_tensor_model_parallel_group(), 50257)
+    return engine_logits(Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items)))
 
 
 @pytest.mark.slow

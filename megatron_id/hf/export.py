@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from ..parallel.pipeline import from_model_names
+from ..parallel.pipeline import from_model_names, saved_pieces
 from ..parallel.tensor_parallel import split_state_dict
-from ..training.checkpoint import (model_config_dict, model_config_from_dict, read_client_state,
-                                   read_model_state)
+from ..training.checkpoint import (CLIENT_STATE, commit, latest_folder, layer_file, model_config_dict,
+                                   model_config_from_dict, module_file, read_client_state,
+                                   read_model_state, write_client_state)
 from .bundle import bundle_source
 
 HERE = Path(__file__).resolve().parent
@@ -32,12 +33,30 @@ CODE_FILES = ("configuration_megatron_id.py", "modeling_megatron_id.py")
 def checkpoint_folder(path) -> Path:
     """A checkpoint root (with `latest`) or one iter_XXXXXXX folder -> the folder."""
     path = Path(path)
-    if (path / "latest").is_file():
-        return path / (path / "latest").read_text().strip()
-    if (path / "mp_rank_00_model_states.pt").is_file():
+    folder = latest_folder(path)
+    if folder is not None:
+        return folder
+    if (path / CLIENT_STATE).is_file():
         return path
     raise FileNotFoundError(f"{path} is not a checkpoint: expected a folder with `latest` (a train.save "
-                            f"folder) or an iter_XXXXXXX folder with mp_rank_00_model_states.pt.")
+                            f"folder) or an iter_XXXXXXX folder with {CLIENT_STATE}.")
+
+
+def read_checkpoint(path):
+    """A training checkpoint -> (its folder, client state, ModelConfig, TP=1 weights)."""
+    folder = checkpoint_folder(path)
+    client = read_client_state(folder)
+    cfg = model_config_from_dict(client["model"])
+    return folder, client, cfg, read_model_state(folder, cfg, client["layout"])
+
+
+def read_hf_folder(folder):
+    """An exported folder -> (its config.json, ModelConfig, TP=1 weights with training names)."""
+    from safetensors.torch import load_file
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    weights = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    return config, model_config_from_dict(config["model"]), weights
 
 
 def _tokenizer_ids(tokenizer_file: Path) -> dict:
@@ -50,13 +69,7 @@ def _tokenizer_ids(tokenizer_file: Path) -> dict:
 def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048) -> Path:
     """Write the Hugging Face folder `output` (atomically: built beside it, then renamed)."""
     from safetensors.torch import save_file
-    folder = checkpoint_folder(checkpoint)
-    client = read_client_state(folder)
-    if "model" not in client:
-        raise ValueError(f"{folder} does not record its model config (written before export support); "
-                         f"re-save it with this version (train.load=... then one step).")
-    cfg = model_config_from_dict(client["model"])
-    weights = read_model_state(folder, cfg, client["layout"])
+    folder, client, cfg, weights = read_checkpoint(checkpoint)
     tokenizer = tokenizer or client.get("tokenizer")
     if not tokenizer or not Path(tokenizer).is_file():
         raise FileNotFoundError(f"tokenizer {tokenizer!r} not found: pass --tokenizer path/to/tokenizer.json "
@@ -101,32 +114,22 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
 
 def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Path:
     """An exported folder -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP."""
-    from safetensors.torch import load_file
     folder, output = Path(folder), Path(output)
-    config = json.loads((folder / "config.json").read_text())
-    cfg = model_config_from_dict(config["model"])
-    full = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    _, cfg, full = read_hf_folder(folder)
     shards = split_state_dict(full, cfg, tensor_parallel)
     layout = {"tensor": tensor_parallel, "pipe": pipeline_parallel, "data": 1, "zero_stage": 0}
     client = {"step": 0, "layout": layout, "model": model_config_dict(cfg), "weights_only": True,
               "tokenizer": str(folder / "tokenizer.json")}
-    tag = "iter_0000000"
-    staging = output / ".incomplete" / tag
+    staging = output / ".incomplete" / "iter_0000000"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    n = cfg.n_layers
     for tp, shard in enumerate(shards):
         if pipeline_parallel == 1:
-            torch.save({**client, "module": shard}, staging / f"mp_rank_{tp:02d}_model_states.pt")
+            torch.save({"module": shard}, staging / module_file(tp))
             continue
-        for piece in range(n + (2 if cfg.tie_embeddings else 3)):
-            torch.save(from_model_names(shard, piece, n, cfg.tie_embeddings),
-                       staging / f"layer_{piece:02d}-model_{tp:02d}-model_states.pt")
-    if pipeline_parallel > 1:   # the client state lives in every stage x TP rank's mp_rank file
-        for rank in range(tensor_parallel * pipeline_parallel):
-            torch.save({**client, "module": None}, staging / f"mp_rank_{rank:02d}_model_states.pt")
-    shutil.rmtree(output / tag, ignore_errors=True)
-    os.replace(staging, output / tag)
-    (output / ".latest.tmp").write_text(tag)
-    os.replace(output / ".latest.tmp", output / "latest")
+        for piece in saved_pieces(cfg):
+            torch.save(from_model_names(shard, piece, cfg.n_layers, cfg.tie_embeddings),
+                       staging / layer_file(piece, tp))
+    write_client_state(staging, client)
+    commit(staging, output)
     return output

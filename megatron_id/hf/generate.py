@@ -10,7 +10,6 @@ interdomain and S4D-only mixers, a growing KV cache for softmax. Greedy by defau
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -24,20 +23,13 @@ def load_model_and_tokenizer(source, tokenizer=None):
     """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id) from a training checkpoint
     (root or iter folder) or an exported Hugging Face folder."""
     from data_tools.tokenizer import eod_id, load_tokenizer
-    from ..training.checkpoint import model_config_from_dict, read_client_state, read_model_state
-    from .export import checkpoint_folder
+    from .export import read_checkpoint, read_hf_folder
     source = Path(source)
     if (source / "config.json").is_file() and (source / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        config = json.loads((source / "config.json").read_text())
-        cfg = model_config_from_dict(config["model"])
-        weights = {k.removeprefix("model."): v for k, v in load_file(str(source / "model.safetensors")).items()}
+        _, cfg, weights = read_hf_folder(source)
         tokenizer = tokenizer or source / "tokenizer.json"
     else:
-        folder = checkpoint_folder(source)
-        client = read_client_state(folder)
-        cfg = model_config_from_dict(client["model"])
-        weights = read_model_state(folder, cfg, client["layout"])
+        _, client, cfg, weights = read_checkpoint(source)
         tokenizer = tokenizer or client.get("tokenizer")
     if not tokenizer or not Path(tokenizer).is_file():
         raise FileNotFoundError(f"tokenizer {tokenizer!r} not found: pass --tokenizer path/to/tokenizer.json.")

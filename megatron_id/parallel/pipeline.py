@@ -102,6 +102,11 @@ class HeadStage(nn.Module):
 
 # Pieces: 0 embedding, 1..L blocks, L+1 final norm, L+2 LM head. Checkpoint files and state
 # dicts are per piece; with tied embeddings piece L+2 has none (piece 0 holds the matrix).
+def saved_pieces(cfg: ModelConfig) -> range:
+    """The pieces that own weights in a pipeline checkpoint (tied: the head is piece 0's matrix)."""
+    return range(cfg.n_layers + (2 if cfg.tie_embeddings else 3))
+
+
 def to_model_names(index: int, piece_state: dict, n_layers: int) -> dict:
     """The state dict of pipeline piece `index` -> LanguageModel keys."""
     if 1 <= index <= n_layers:

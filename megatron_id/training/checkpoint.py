@@ -6,9 +6,12 @@ A checkpoint folder `iter_XXXXXXX/` holds DeepSpeed's files:
   PP > 1   layer_{i:02d}-model_{tp:02d}-model_states.pt   one per pipeline piece i and TP rank
            (piece 0 = embedding, 1..L = blocks, L+1 = final norm, L+2 = LM head, absent when
            tied to the embedding; see parallel/pipeline.py)
-           and mp_rank_{r:02d}_model_states.pt per stage x TP rank with the client state
+           and mp_rank_{r:02d}_model_states.pt per stage x TP rank (DeepSpeed's bookkeeping)
   ZeRO     zero_pp_rank_{dp}_mp_rank_{r:02d}_optim_states.pt (optimizer partitions)
-Our client state (in every mp_rank file) records the layout that wrote it.
+and ours, client_state.pt: step, the layout that wrote the checkpoint, model config, tokenizer,
+RNG (DeepSpeed keeps a copy in its mp_rank files; this one is read without loading weights).
+A checkpoint root holds iter_XXXXXXX folders and `latest`, the name of the newest complete one;
+`commit` moves a finished folder into place and only then replaces `latest` (atomically).
 
 Weights can be re-sharded to any layout (merge_state_dicts -> split_state_dict). The optimizer
 state cannot: its ZeRO partitions are flat buffers cut by the writer's DP x TP x PP layout, and
@@ -17,14 +20,16 @@ needs train.load_optimizer=false (Megatron's --no-load-optim); the error says so
 """
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..parallel.pipeline import to_model_names
+from ..parallel.pipeline import saved_pieces, to_model_names
 from ..parallel.tensor_parallel import merge_state_dicts
 
 
@@ -65,6 +70,40 @@ def cross_layout_error(path: Path, saved: dict, current: dict) -> ConfigError:
         f"run at the saved layout to resume exactly.")
 
 
+CLIENT_STATE = "client_state.pt"
+
+
+def module_file(tp: int) -> str:
+    return f"mp_rank_{tp:02d}_model_states.pt"
+
+
+def layer_file(piece: int, tp: int) -> str:
+    return f"layer_{piece:02d}-model_{tp:02d}-model_states.pt"
+
+
+def latest_folder(root) -> Path | None:
+    """The folder `root`/latest names (None when there is no `latest`)."""
+    root = Path(root)
+    if not (root / "latest").is_file():
+        return None
+    tag = (root / "latest").read_text().strip()
+    if not (root / tag).is_dir():
+        raise FileNotFoundError(f"{root}/latest names '{tag}' but {root / tag} does not exist.")
+    return root / tag
+
+
+def commit(staged: Path, root: Path) -> Path:
+    """Rename the complete folder `staged` to `root`/<its name>, then point `latest` at it: a
+    kill at any moment leaves `latest` on a complete checkpoint."""
+    final = root / staged.name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staged, final)
+    tmp = root / ".latest.tmp"
+    tmp.write_text(staged.name)
+    os.replace(tmp, root / "latest")   # the commit point
+    return final
+
+
 def _load(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file {path} is missing: the checkpoint is incomplete "
@@ -72,9 +111,13 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def write_client_state(ckpt: Path, client: dict) -> None:
+    torch.save(client, Path(ckpt) / CLIENT_STATE)
+
+
 def read_client_state(ckpt: Path) -> dict:
-    """Our client state (step, layout, RNG...) from the first mp_rank file."""
-    return _load(Path(ckpt) / "mp_rank_00_model_states.pt")
+    """Our client state (step, layout, model config, RNG...)."""
+    return _load(Path(ckpt) / CLIENT_STATE)
 
 
 def read_model_state(ckpt: Path, cfg: ModelConfig, saved: dict) -> dict:
@@ -83,12 +126,11 @@ def read_model_state(ckpt: Path, cfg: ModelConfig, saved: dict) -> dict:
     shards = []
     for tp in range(saved["tensor"]):
         if saved["pipe"] == 1:
-            shards.append(dict(_load(ckpt / f"mp_rank_{tp:02d}_model_states.pt")["module"]))
+            shards.append(dict(_load(ckpt / module_file(tp))["module"]))
             continue
         shard = {}
-        for piece in range(cfg.n_layers + (2 if cfg.tie_embeddings else 3)):   # tied: no head file
-            shard.update(to_model_names(piece, _load(ckpt / f"layer_{piece:02d}-model_{tp:02d}-model_states.pt"),
-                                        cfg.n_layers))
+        for piece in saved_pieces(cfg):
+            shard.update(to_model_names(piece, _load(ckpt / layer_file(piece, tp)), cfg.n_layers))
         shards.append(shard)
     return merge_state_dicts(shards, cfg)
 

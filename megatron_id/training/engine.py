@@ -28,7 +28,6 @@ layout re-shards the weights (train.load_optimizer=false; see checkpoint.py).
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import signal
 import sys
@@ -43,8 +42,9 @@ from ..model import LanguageModel
 from ..parallel import parallelize, state, vocab_parallel_cross_entropy
 from ..parallel.pipeline import pipeline_model, pipeline_state_dict
 from ..parallel.tensor_parallel import split_state_dict
-from .checkpoint import (cross_layout_error, describe, layout_record, model_config_dict, optimizer_state_loadable,
-                         read_client_state, read_model_state, rng_state, set_rng_state)
+from .checkpoint import (commit, cross_layout_error, describe, latest_folder, layout_record, model_config_dict,
+                         optimizer_state_loadable, read_client_state, read_model_state, rng_state,
+                         set_rng_state, write_client_state)
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
@@ -93,7 +93,7 @@ class Trainer:
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
         self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
-        if cfg.train.load and (Path(cfg.train.load) / "latest").is_file():
+        if cfg.train.load and latest_folder(cfg.train.load) is not None:
             self.load_checkpoint(cfg.train.load)
         self._restart_sampler()
         self.stop_requested, self.saved_step = False, self.step
@@ -253,9 +253,9 @@ class Trainer:
 
     def _last_checkpoint(self) -> str:
         for root in (self.cfg.train.save, self.cfg.train.load):
-            if root and (Path(root) / "latest").is_file():
-                tag = (Path(root) / "latest").read_text().strip()
-                return f"{Path(root) / tag} (step {int(tag.removeprefix('iter_'))})"
+            folder = latest_folder(root) if root else None
+            if folder is not None:
+                return f"{folder} (step {int(folder.name.removeprefix('iter_'))})"
         return "none (no checkpoint was saved; set train.save and train.save_interval)"
 
     def _request_stop(self, signum, frame):
@@ -282,14 +282,11 @@ class Trainer:
                   "tokenizer": str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
                   "rng": rng_state()}
         self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
+        if rank0:
+            write_client_state(staging / tag, client)
         dist.barrier()   # every rank's files are written
         if rank0:
-            final = root / tag
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(staging / tag, final)
-            tmp = root / ".latest.tmp"
-            tmp.write_text(tag)
-            os.replace(tmp, root / "latest")   # the commit point
+            commit(staging / tag, root)
             self._prune(root, keep=self.cfg.train.keep_last, current=tag)
         dist.barrier()
         self.saved_step = self.step
@@ -311,16 +308,15 @@ class Trainer:
         follow from the step). At another TP/PP/DP layout: weights re-sharded, with
         train.load_optimizer=false only (checkpoint.py says why)."""
         root = Path(root)
-        tag = (root / "latest").read_text().strip()
-        path = root / tag
-        if not path.is_dir():
-            raise FileNotFoundError(f"{root}/latest names '{tag}' but {path} does not exist.")
+        path = latest_folder(root)
+        if path is None:
+            raise FileNotFoundError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
         client = read_client_state(path)
         saved, current = client.get("layout", self._layout_record()), self._layout_record()
         if client.get("weights_only"):   # written by `megatron-id import-hf`: weights, no optimizer
             self._load_weights(read_model_state(path, self.cfg.model, saved))
         elif optimizer_state_loadable(saved, current) and self.cfg.train.load_optimizer:
-            _, loaded = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+            _, loaded = self.engine.load_checkpoint(str(root), tag=path.name, load_optimizer_states=True,
                                                     load_lr_scheduler_states=False)
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}.")

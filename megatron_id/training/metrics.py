@@ -35,7 +35,8 @@ def memory_gib() -> float:
 class Metrics:
     def __init__(self, cfg, layout, is_logger: bool):
         self.layout, self.peak = layout, cfg.train.peak_tflops
-        self.flops_per_token = report(cfg.model).training_flops_per_token
+        self.report = report(cfg.model)   # parameters and FLOPs, counted once
+        self.flops_per_token = self.report.training_flops_per_token
         self.devices = layout.tensor * layout.pipe * layout.data
         self.interval = max(cfg.train.log_interval, 1)
         self.writer = None
@@ -50,7 +51,7 @@ class Metrics:
         """One line before the first step: what is trained, on which layout, for how long."""
         if not self.is_logger:
             return
-        m, lay, r = cfg.model, self.layout, report(cfg.model)
+        m, lay, r = cfg.model, self.layout, self.report
         print(f"training {m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} ({r.parameters:,} parameters) | "
               f"TP={lay.tensor} PP={lay.pipe} DP={lay.data} ZeRO-{cfg.train.zero_stage} | global batch "
               f"{lay.global_batch_size} x {m.seq_length} tokens = micro-batch {lay.micro_batch_size} x "
