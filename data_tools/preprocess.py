@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_id.data.indexed_dataset import IndexedDatasetWriter, best_dtype
+from megatron_id.errors import UserError, run_guarded
 
 from .progress import Progress
 from .readers import InputError, Record, expand_inputs, iter_documents
@@ -38,7 +39,7 @@ from .tokenizer import TokenizerError, eod_id, load_tokenizer
 BATCH_CHARS = 4_000_000   # text per tokenizer call; ~1M tokens
 
 
-class PreprocessError(ValueError):
+class PreprocessError(UserError, ValueError):
     pass
 
 
@@ -242,15 +243,13 @@ def summary(stats: Stats) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None, debug: bool = False) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        stats = run(args)
-    except (PreprocessError, InputError, TokenizerError) as err:
-        print(f"preprocess: error: {err}", file=sys.stderr)
-        return 2
-    print(summary(stats), file=sys.stderr)
-    return 0
+
+    def body() -> int:
+        print(summary(run(args)), file=sys.stderr)
+        return 0
+    return run_guarded("preprocess", body, debug=debug)
 
 
 if __name__ == "__main__":

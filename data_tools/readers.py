@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_id.errors import UserError
+
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst",
                   ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -30,7 +32,7 @@ class Skip:
     reason: str
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     pass
 
 

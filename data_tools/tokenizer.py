@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_id.errors import UserError
+
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     pass
 
 

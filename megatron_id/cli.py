@@ -15,7 +15,8 @@ import os
 import sys
 from dataclasses import asdict
 
-from .config import ConfigError, load_config
+from .config import load_config
+from .errors import run_guarded
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -114,34 +115,37 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["preprocess"]:   # its own flags (Megatron's names), so hand over whole
-        from data_tools.preprocess import main as preprocess_main
-        return preprocess_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="megatron-id", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-id", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an expected error too (or MEGATRON_ID_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("params", help="parameter count, recurrent state and FLOPs of a config")
+    p = sub.add_parser("params", help="parameter count, recurrent state and FLOPs of a config",
+                       allow_abbrev=False)
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_params)
     sub.add_parser("preprocess", help="tokenize a corpus into .bin/.idx (see --help of it)")
-    t = sub.add_parser("train", help="train with DeepSpeed (launch with torchrun / srun / deepspeed)")
+    t = sub.add_parser("train", help="train with DeepSpeed (launch with torchrun / srun / deepspeed)",
+                       allow_abbrev=False)
     _add_config_args(t)
     t.set_defaults(func=cmd_train)
-    e = sub.add_parser("export-hf", help="a training checkpoint -> a Hugging Face folder")
+    e = sub.add_parser("export-hf", help="a training checkpoint -> a Hugging Face folder", allow_abbrev=False)
     e.add_argument("--checkpoint", required=True, help="train.save folder (uses `latest`) or an iter_ folder")
     e.add_argument("--output", required=True)
     e.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the checkpoint)")
     e.add_argument("--prefill-chunk-size", type=int, default=2048)
     e.set_defaults(func=cmd_export_hf)
-    i = sub.add_parser("import-hf", help="an exported folder -> a training checkpoint at any TP/PP")
+    i = sub.add_parser("import-hf", help="an exported folder -> a training checkpoint at any TP/PP",
+                       allow_abbrev=False)
     i.add_argument("--input", required=True)
     i.add_argument("--output", required=True)
     i.add_argument("--tensor-parallel", type=int, default=1)
     i.add_argument("--pipeline-parallel", type=int, default=1)
     i.set_defaults(func=cmd_import_hf)
-    g = sub.add_parser("generate", help="stream text from a training checkpoint or an exported folder")
+    g = sub.add_parser("generate", help="stream text from a training checkpoint or an exported folder",
+                       allow_abbrev=False)
     g.add_argument("--checkpoint", required=True, help="train.save folder, iter_ folder or exported folder")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=100)
@@ -152,12 +156,18 @@ def main(argv=None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--tokenizer")
     g.set_defaults(func=cmd_generate)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ConfigError as err:
-        print(f"megatron-id: error: {err}", file=sys.stderr)
-        return 2
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv   # the traceback of an expected error (also MEGATRON_ID_DEBUG=1)
+    argv = [a for a in argv if a != "--debug"]
+    if argv[:1] == ["preprocess"]:   # its own flags (Megatron's names), so hand over whole
+        from data_tools.preprocess import main as preprocess_main
+        return preprocess_main(argv[1:], debug=debug)
+    args = build_parser().parse_args(argv)
+    return run_guarded("megatron-id", lambda: args.func(args), debug=debug)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .errors import UserError
+
 
 class Mixer(str, Enum):
     interdomain = "interdomain"
@@ -146,8 +148,10 @@ MIXER_FIXED = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config problem, phrased for the user: which key, which value, how to fix it."""
+
+    same_on_every_rank = True
 
 
 def _suggest(key: str, node) -> str:

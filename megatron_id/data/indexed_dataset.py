@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")   # magic, version, dtype code, N, D + 1: 34 bytes
@@ -33,7 +35,7 @@ CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 DOCUMENT_SUFFIX = "_text_document"
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UserError, ValueError):
     """A missing, truncated or corrupt .bin/.idx pair, described with the files involved."""
 
 

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..errors import UserError
 
-class ParallelConfigError(ValueError):
+
+class ParallelConfigError(UserError, ValueError):
     """A parallel layout that cannot work, with the numbers and the fix."""
 
 
