@@ -32,5 +32,5 @@ setup(
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },
-    entry_points={"console_scripts": ["megatron-id=megatron_id.cli:main"]},
+    entry_points={"console_scripts": ["megatron-id=megatron_id.cli:entry"]},
 )

@@ -120,6 +120,10 @@ class TrainConfig:
     tensorboard_dir: Optional[str] = None
     peak_tflops: float = 989.0        # per device, for MFU (H100 SXM dense bf16)
     max_nonfinite_in_a_row: int = 5
+    # every collective's timeout: a hung rank ends the job after this long instead of stalling
+    # it. 10 as Megatron's --distributed-timeout-minutes: rank 0 alone builds the data index
+    # while the others wait (about 2 s per 100M tokens, so ~9 min for the paper's 26B)
+    collective_timeout_minutes: float = 10.0
     deepspeed: dict = field(default_factory=dict)   # raw DeepSpeed config overrides
 
 
@@ -242,11 +246,46 @@ def resolve(cfg: Config) -> Config:
     for key, ok, why in checks:
         if not ok:
             raise ConfigError(f"model.{key}={getattr(m, key)} is invalid: it {why}.")
+    _check_ranges(cfg)
     p = cfg.parallel
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} is invalid: it must be at least 1.")
     return cfg
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Optimizer and training values that cannot be right (a negative LR trains backwards)."""
+    o, t = cfg.optimizer, cfg.train
+    checks = [
+        ("optimizer.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "must be a positive number (e.g. 3e-4)"),
+        ("optimizer.min_lr", o.min_lr, 0 <= o.min_lr <= o.lr, f"must be between 0 and optimizer.lr={o.lr}"),
+        ("optimizer.warmup_tokens", o.warmup_tokens, o.warmup_tokens >= 0, "must be >= 0"),
+        ("optimizer.weight_decay", o.weight_decay, 0 <= o.weight_decay < 1,
+         "must be in [0, 1) (AdamW's decoupled decay; the paper uses 0.1)"),
+        ("optimizer.adam_beta1", o.adam_beta1, 0 <= o.adam_beta1 < 1, "must be in [0, 1) (e.g. 0.9)"),
+        ("optimizer.adam_beta2", o.adam_beta2, 0 <= o.adam_beta2 < 1, "must be in [0, 1) (e.g. 0.95)"),
+        ("optimizer.adam_eps", o.adam_eps, 0 < o.adam_eps < 1, "must be a small positive number (e.g. 1e-8)"),
+        ("optimizer.clip_grad", o.clip_grad, o.clip_grad >= 0, "must be >= 0 (0 turns clipping off)"),
+        ("optimizer.ssm_lr_max", o.ssm_lr_max, o.ssm_lr_max > 0, "must be positive"),
+        ("train.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 1, "must be at least 1"),
+        ("train.global_batch_size", t.global_batch_size, t.global_batch_size >= 1, "must be at least 1"),
+        ("train.train_tokens", t.train_tokens, t.train_tokens >= 1, "must be positive"),
+        ("train.log_interval", t.log_interval, t.log_interval >= 1, "must be at least 1"),
+        ("train.eval_interval", t.eval_interval, t.eval_interval >= 1, "must be at least 1"),
+        ("train.eval_iters", t.eval_iters, t.eval_iters >= 0, "must be >= 0 (0: no validation)"),
+        ("train.save_interval", t.save_interval, t.save_interval >= 1, "must be at least 1"),
+        ("train.keep_last", t.keep_last, t.keep_last >= 0, "must be >= 0 (0 keeps every checkpoint)"),
+        ("train.peak_tflops", t.peak_tflops, t.peak_tflops > 0, "must be positive (per device, for MFU)"),
+        ("train.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, t.max_nonfinite_in_a_row >= 0,
+         "must be >= 0 (0: never stop)"),
+        ("train.collective_timeout_minutes", t.collective_timeout_minutes,
+         0 < t.collective_timeout_minutes and math.isfinite(t.collective_timeout_minutes),
+         "must be a positive number of minutes"),
+    ]
+    for key, value, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{key}={value} is invalid: it {why}.")
 
 
 def to_yaml(cfg: Config) -> str:

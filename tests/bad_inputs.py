@@ -22,6 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# A training run's lock on its train.save folder: bookkeeping (holder, pid), not output. A run
+# that is refused after taking it rewrites its content; it never appears where it was not.
+BOOKKEEPING = {".lock"}
+
+
 def snapshot(folder) -> dict[str, bytes | None]:
     """Every path under `folder` (relative) -> its bytes (None for folders)."""
     folder = Path(folder)
@@ -30,6 +35,8 @@ def snapshot(folder) -> dict[str, bytes | None]:
     out = {}
     for path in sorted(folder.rglob("*")):
         key = str(path.relative_to(folder))
+        if path.name in BOOKKEEPING and path.parent.exists() and (path.parent / "latest").exists():
+            continue
         out[key] = path.read_bytes() if path.is_file() and not path.is_symlink() else None
     return out
 

@@ -32,26 +32,34 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config
+from ..errors import UserError
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, parse_data_path
 from ..model import LanguageModel
 from ..parallel import parallelize, state, vocab_parallel_cross_entropy
 from ..parallel.pipeline import pipeline_model, pipeline_state_dict
 from ..parallel.tensor_parallel import split_state_dict
-from .checkpoint import (commit, cross_layout_error, describe, latest_folder, layout_record, model_config_dict,
-                         optimizer_state_loadable, read_client_state, read_model_state, rng_state,
-                         set_rng_state, write_client_state)
+from .checkpoint import (CheckpointError, SaveLock, check_save_and_load, checkpoint_files, commit,
+                         cross_layout_error, describe, latest_folder, layout_record, manifest_entries,
+                         model_config_dict, optimizer_state_loadable, read_client_state, read_manifest,
+                         read_model_state, remove_stale_staging, rng_state, set_rng_state, verify_checkpoint,
+                         write_client_state, write_manifest)
+from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
+                          local_device_index, uses_cuda)
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(UserError, RuntimeError):
     """Too many non-finite steps in a row; the message names the step and the last good checkpoint."""
+
+    same_on_every_rank = True   # the skip decision is agreed by all ranks
 
 
 class Trainer:
@@ -63,6 +71,17 @@ class Trainer:
         deepspeed.init_distributed(dist_backend=dist.get_backend())   # adopts the existing group
         self.cfg = cfg
         self.layout = training_layout(cfg, dist.get_world_size())   # all checks before any work
+        self.save_lock = None
+        self.resume_from = agree_on_rank0(self._preflight)          # data and folders, on rank 0
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        import deepspeed
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         state.initialize_model_parallel(self.layout.tensor, self.layout.pipe, cfg.model)
         self.tp_group = state.get_tensor_model_parallel_group()
@@ -87,16 +106,39 @@ class Trainer:
         if self.pipelined:
             stage_loss = model.loss_fn
             model.loss_fn = lambda logits, labels: self.guard.observe_loss(stage_loss(logits, labels))
+        # DeepSpeed picks the device from LOCAL_RANK unless told: with one visible GPU per task
+        # (srun --gpus-per-task=1) that is device 0, whatever the local rank
+        device_args = SimpleNamespace(device_rank=local_device_index()) if uses_cuda() else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout), mpu=mpu)
+            args=device_args, model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout),
+            mpu=mpu)
         self.device = getattr(self.engine, "device", "cpu")
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
         self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
-        if cfg.train.load and latest_folder(cfg.train.load) is not None:
-            self.load_checkpoint(cfg.train.load)
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
         self._restart_sampler()
         self.stop_requested, self.saved_step = False, self.step
+
+    def _preflight(self) -> str | None:
+        """Rank 0, before DeepSpeed starts: the checks that read files (data, checkpoint folders)
+        and the lock on train.save. Returns the checkpoint root to resume from."""
+        t = self.cfg.train
+        resume, note = check_save_and_load(t.save, t.load)
+        if t.save:
+            self.save_lock = SaveLock(t.save)   # held until close(): no second live run writes here
+            for path in remove_stale_staging(t.save):
+                print(f"removed {path}, left by an interrupted save", file=sys.stderr, flush=True)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        return None if resume is None else str(resume)
+
+    def close(self) -> None:
+        """Release train.save (the lock) at the end of a run."""
+        if self.save_lock is not None:
+            self.save_lock.release()
+            self.save_lock = None
 
     @property
     def consumed_tokens(self) -> int:
@@ -156,9 +198,9 @@ class Trainer:
                     num_micro_batches=self.cfg.train.eval_iters * self.layout.gradient_accumulation)
             return loss.item()
         self.engine.eval()
-        total, count = torch.zeros(1), 0
+        total, count = torch.zeros(1, device=self.device), 0   # collectives run on the training device
         for indices in sampler:
-            total += self._loss(self._batch(self.valid_data, indices)).float().cpu()
+            total += self._loss(self._batch(self.valid_data, indices)).detach().float()
             count += 1
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.engine.train()
@@ -191,12 +233,12 @@ class Trainer:
                 loss = self.engine.train_batch(self._pipeline_batches(self.train_data, self.sampler))
             self.step += 1
             return loss.item()
-        total = torch.zeros(1)
+        total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
         for _ in range(self.layout.gradient_accumulation):
             loss = self._loss(self._batch(self.train_data, next(self.sampler)))
             self.engine.backward(loss)
             self.engine.step()
-            total += loss.detach().float().cpu()
+            total += loss.detach().float()
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.step += 1
         return total.item() / (self.layout.gradient_accumulation * self.layout.data)
@@ -211,9 +253,11 @@ class Trainer:
         metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0)
         start_step = self.step
         metrics.header(self.cfg, start_step)
+        heartbeat = Heartbeat()
         try:
             end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
             while self.step < end and not self._stop_agreed():
+                heartbeat.beat(self.step)
                 losses.append(self.train_step())
                 self._count_nonfinite()
                 metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
@@ -224,7 +268,13 @@ class Trainer:
                     self.save_checkpoint(self.cfg.train.save)
             if self.cfg.train.save and self.step != self.saved_step:
                 self.save_checkpoint(self.cfg.train.save)
+        except RuntimeError as err:
+            if not is_collective_timeout(err):
+                raise
+            raise collective_timeout_error(err, self.step + 1, self.cfg.train.collective_timeout_minutes,
+                                           heartbeat) from None
         finally:
+            heartbeat.close()
             metrics.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -263,7 +313,7 @@ class Trainer:
 
     def _stop_agreed(self) -> bool:
         """Every rank stops at the same step if any one of them was signalled."""
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -285,12 +335,44 @@ class Trainer:
         if rank0:
             write_client_state(staging / tag, client)
         dist.barrier()   # every rank's files are written
+        self._write_manifest(staging / tag)
         if rank0:
             commit(staging / tag, root)
+            shutil.rmtree(staging, ignore_errors=True)   # what is left there: DeepSpeed's helper scripts
             self._prune(root, keep=self.cfg.train.keep_last, current=tag)
         dist.barrier()
         self.saved_step = self.step
         return root / tag
+
+    def _write_manifest(self, folder: Path) -> None:
+        """Sizes and sha256 of every file, hashed by all ranks in parallel (rank r takes every
+        world-th file), written by rank 0 last, before the commit."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        names = [checkpoint_files(folder) if rank == 0 else None]
+        dist.broadcast_object_list(names, src=0)
+        mine = manifest_entries(folder, names[0][rank::world])
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            write_manifest(folder, {k: v for part in gathered for k, v in part.items()})
+
+    def _verify(self, folder: Path) -> None:
+        """Every file of a checkpoint against its manifest before loading it, hashed by all ranks
+        in parallel; a damaged file is named on every rank."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        manifest = read_manifest(folder)
+        problems = [] if manifest is None else verify_checkpoint(folder, sorted(manifest)[rank::world])
+        gathered = [None] * world
+        dist.all_gather_object(gathered, problems)
+        problems = [p for part in gathered for p in part]
+        if manifest is None and rank == 0:
+            print(f"warning: {folder} has no manifest.json (saved before checkpoints carried one): "
+                  f"its files are not verified", file=sys.stderr, flush=True)
+        if problems:
+            err = CheckpointError(problems[0] + (f" ({len(problems) - 1} more damaged files: see "
+                                                 f"megatron-id check-checkpoint {folder})" if len(problems) > 1 else ""))
+            err.same_on_every_rank = True
+            raise err
 
     @staticmethod
     def _prune(root: Path, keep: int, current: str) -> None:
@@ -310,7 +392,8 @@ class Trainer:
         root = Path(root)
         path = latest_folder(root)
         if path is None:
-            raise FileNotFoundError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
+            raise CheckpointError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
+        self._verify(path)
         client = read_client_state(path)
         saved, current = client.get("layout", self._layout_record()), self._layout_record()
         if client.get("weights_only"):   # written by `megatron-id import-hf`: weights, no optimizer
