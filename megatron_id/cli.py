@@ -6,6 +6,7 @@
     megatron-id export-hf --checkpoint runs/x/checkpoints --output runs/x/hf
     megatron-id import-hf --input runs/x/hf --output runs/y/checkpoints --tensor-parallel 2
     megatron-id generate --checkpoint runs/x/hf --prompt "The water cycle" --max-new-tokens 50
+    megatron-id check-checkpoint runs/x/checkpoints [--all]
 """
 from __future__ import annotations
 
@@ -58,31 +59,72 @@ def cmd_train(args) -> int:
     import warnings
     # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+    cfg = load_config(args.config, args.overrides)   # config errors first, before heavy imports
     from .training.distributed import init_distributed_from_env
-    from .training.engine import NonFiniteTrainingError, Trainer
-    cfg = load_config(args.config, args.overrides)   # config errors before any process group
-    init_distributed_from_env()
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    except NonFiniteTrainingError as err:
-        import torch.distributed as dist
-        if dist.get_rank() == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 1
+    from .training.engine import Trainer
     import torch.distributed as dist
-    if dist.get_rank() == 0:
-        t = cfg.train
-        print(f"finished at step {trainer.step}; checkpoint: {t.save or 'not saved (train.save unset)'}; "
-              f"TensorBoard: {t.tensorboard_dir or 'off (train.tensorboard_dir unset)'}", file=sys.stderr)
-    dist.destroy_process_group()
+    init_distributed_from_env(cfg.train.collective_timeout_minutes)
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+        if dist.get_rank() == 0:
+            t = cfg.train
+            print(f"finished at step {trainer.step}; checkpoint: {t.save or 'not saved (train.save unset)'}; "
+                  f"TensorBoard: {t.tensorboard_dir or 'off (train.tensorboard_dir unset)'}",
+                  file=sys.stderr, flush=True)
+    finally:
+        if trainer is not None:
+            trainer.close()
+    # every rank reaches the end before any exits; then entry() ends the process without the
+    # interpreter's teardown of the process group and DeepSpeed (see entry)
+    _TEARDOWN.append(dist.barrier)
+    return 0
+
+
+# Run after main() returns, just before the process exits (see entry()).
+_TEARDOWN: list = []
+
+
+def cmd_check_checkpoint(args) -> int:
+    """Verify checkpoint folders against their manifests offline: the one `latest` names (or
+    every iter_ folder with --all, or the iter_ folder given). Exit 0 only when all are whole."""
+    from pathlib import Path
+    from .training.checkpoint import CheckpointError, latest_folder, verify_checkpoint
+    root = Path(args.path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a folder: give a train.save folder or an iter_XXXXXXX folder.")
+    if (root / "manifest.json").is_file() or (root / "client_state.pt").is_file():
+        folders = [root]
+    elif args.all:
+        folders = sorted(p for p in root.glob("iter_*") if p.is_dir())
+    else:
+        folders = [latest_folder(root)] if latest_folder(root) is not None else []
+    if not folders:
+        raise CheckpointError(f"{root} holds no checkpoint (no `latest`, no iter_ folder): give a train.save "
+                              f"folder or an iter_XXXXXXX folder.")
+    stale = sorted((root / ".incomplete").glob("iter_*"))
+    for path in stale:
+        print(f"note: {path} was left by an interrupted save (the next run into {root} removes it)")
+    damaged = 0
+    for folder in folders:
+        problems = verify_checkpoint(folder)
+        if problems:
+            damaged += 1
+            for problem in problems:
+                print(f"DAMAGED {folder}: {problem}", file=sys.stderr)
+        else:
+            print(f"ok {folder}")
+    if damaged:
+        raise CheckpointError(f"{damaged} of {len(folders)} checkpoint folders in {root} are damaged "
+                              f"(listed above): resume from a whole one by writing its name into {root}/latest.")
     return 0
 
 
 def cmd_export_hf(args) -> int:
     from .hf.export import export_hf
     out = export_hf(args.checkpoint, args.output, tokenizer=args.tokenizer,
-                    prefill_chunk_size=args.prefill_chunk_size)
+                    prefill_chunk_size=args.prefill_chunk_size, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained("
           f"'{out}', trust_remote_code=True))")
     return 0
@@ -90,17 +132,23 @@ def cmd_export_hf(args) -> int:
 
 def cmd_import_hf(args) -> int:
     from .hf.export import import_hf
-    out = import_hf(args.input, args.output, args.tensor_parallel, args.pipeline_parallel)
+    out = import_hf(args.input, args.output, args.tensor_parallel, args.pipeline_parallel,
+                    overwrite=args.overwrite)
     print(f"imported {args.input} -> {out} (TP={args.tensor_parallel}, PP={args.pipeline_parallel}; "
           f"weights only: train with train.load={out})")
     return 0
 
 
 def cmd_generate(args) -> int:
-    from .hf.generate import generate_ids, load_model_and_tokenizer, stream_text
+    from .hf.export import BadOptionError
+    from .hf.generate import check_options, generate_ids, load_model_and_tokenizer, stream_text
     import torch
+    # option values first: a bad one fails before the model is loaded
+    check_options(args.max_new_tokens, args.temperature, args.top_k, args.prefill_chunk_size)
     model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
     prompt = tokenizer.encode(args.prompt).ids
+    if not prompt:
+        raise BadOptionError(f"--prompt {args.prompt!r} gives no tokens: give a prompt with some text.")
     sys.stdout.write(args.prompt)
     stream_text(tokenizer, generate_ids(
         model, prompt, args.max_new_tokens, eos_id=None if args.ignore_eos else eos,
@@ -131,16 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
                        allow_abbrev=False)
     _add_config_args(t)
     t.set_defaults(func=cmd_train)
+    c = sub.add_parser("check-checkpoint", help="verify checkpoint files against their manifest (sizes, sha256)",
+                       allow_abbrev=False)
+    c.add_argument("path", help="train.save folder (checks the one `latest` names) or an iter_XXXXXXX folder")
+    c.add_argument("--all", action="store_true", help="check every iter_ folder of a train.save folder")
+    c.set_defaults(func=cmd_check_checkpoint)
     e = sub.add_parser("export-hf", help="a training checkpoint -> a Hugging Face folder", allow_abbrev=False)
     e.add_argument("--checkpoint", required=True, help="train.save folder (uses `latest`) or an iter_ folder")
-    e.add_argument("--output", required=True)
+    e.add_argument("--output", required=True,
+                   help="a new or empty folder (a non-empty one is refused: see --overwrite)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace --output when it holds an earlier export and nothing else")
     e.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the checkpoint)")
     e.add_argument("--prefill-chunk-size", type=int, default=2048)
     e.set_defaults(func=cmd_export_hf)
     i = sub.add_parser("import-hf", help="an exported folder -> a training checkpoint at any TP/PP",
                        allow_abbrev=False)
     i.add_argument("--input", required=True)
-    i.add_argument("--output", required=True)
+    i.add_argument("--output", required=True,
+                   help="a new or empty folder (a non-empty one is refused: see --overwrite)")
+    i.add_argument("--overwrite", action="store_true",
+                   help="replace --output when it holds one earlier import and nothing else "
+                        "(never a folder with training checkpoints)")
     i.add_argument("--tensor-parallel", type=int, default=1)
     i.add_argument("--pipeline-parallel", type=int, default=1)
     i.set_defaults(func=cmd_import_hf)
@@ -170,5 +230,20 @@ def main(argv=None) -> int:
     return run_guarded("megatron-id", lambda: args.func(args), debug=debug)
 
 
+def entry() -> None:
+    """The `megatron-id` program. After a training run, the process ends with os._exit once
+    stdout/stderr are flushed: C++ objects of DeepSpeed and torch.distributed torn down by the
+    interpreter at exit can abort ("terminate called without an active exception", exit 1
+    after a successful run), which breaks SLURM `afterok` chains and requeue logic."""
+    status = main()
+    if _TEARDOWN:
+        for fn in _TEARDOWN:
+            fn()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -8,55 +8,152 @@ padding removed, keys `model.<training name>`), the tokenizer files and generati
 
 import_hf: such a folder -> a training checkpoint at any TP/PP, holding weights only (the
 trainer loads it at any layout and starts the optimizer fresh).
+
+Outputs are never destroyed by mistake. A new or empty `output` is written. A non-empty one is
+refused, unless `overwrite` is given and it holds only an earlier output of the same command
+(`why_not_an_export` / `why_not_an_import` say what else it holds); a checkpoint with a
+training history or a folder of the user's files is never replaced. The new folder is built
+beside `output` and swapped in by renames (`write_folder`), so an error at any point leaves the
+old output as it was and no partial folder behind.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
+import sys
+import uuid
 from pathlib import Path
 
 import torch
+from omegaconf.errors import OmegaConfBaseException
 
+from ..config import ffn_hidden_size
+from ..errors import OutputExistsError, UserError
 from ..parallel.pipeline import from_model_names, saved_pieces
-from ..parallel.tensor_parallel import split_state_dict
-from ..training.checkpoint import (CLIENT_STATE, commit, latest_folder, layer_file, model_config_dict,
-                                   model_config_from_dict, module_file, read_client_state,
-                                   read_model_state, write_client_state)
+from ..parallel.state import ParallelConfigError
+from ..parallel.tensor_parallel import check_divisibility, split_state_dict
+from ..training.checkpoint import (CLIENT_STATE, checkpoint_files, commit, latest_folder, layer_file,
+                                   manifest_entries, model_config_dict, model_config_from_dict, module_file,
+                                   read_client_state, read_model_state, write_client_state, write_manifest)
 from .bundle import bundle_source
 
 HERE = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megatron_id.py", "modeling_megatron_id.py")
+# every file export_hf writes: a folder holding nothing else is an earlier export
+EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                          "tokenizer_config.json", "megatron_id_model.py", *CODE_FILES})
+IMPORT_TAG = "iter_0000000"   # import_hf writes step 0 only
 
 
-def checkpoint_folder(path) -> Path:
-    """A checkpoint root (with `latest`) or one iter_XXXXXXX folder -> the folder."""
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """A --checkpoint that is missing, is not a training checkpoint, or lacks files it names."""
+
+
+class NotAnExportError(UserError, ValueError):
+    """A folder that should be an export of ours and is not (or is damaged)."""
+
+
+class BadOptionError(UserError, ValueError):
+    """An option value that cannot work: the option, the value and the valid range."""
+
+
+class TokenizerNotFoundError(UserError, FileNotFoundError):
+    """The tokenizer to export or generate with cannot be found."""
+
+
+# ------------------------------------------------------------------ reading checkpoints
+
+def checkpoint_folder(path, also_export: bool = False) -> Path:
+    """A checkpoint root (with `latest`) or one iter_XXXXXXX folder -> the folder.
+    also_export: the caller (generate) accepts an exported folder too; the errors say so."""
     path = Path(path)
-    folder = latest_folder(path)
+    accepted = "the train.save folder of a run (it holds `latest`) or one of its iter_XXXXXXX folders" + \
+        (", or a folder written by megatron-id export-hf" if also_export else "")
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist: give {accepted}.")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint {path} is a file, not a checkpoint folder: give {accepted}.")
+    folder = latest_folder(path)   # its error names a `latest` that points nowhere, and the fix
     if folder is not None:
         return folder
     if (path / CLIENT_STATE).is_file():
         return path
-    raise FileNotFoundError(f"{path} is not a checkpoint: expected a folder with `latest` (a train.save "
-                            f"folder) or an iter_XXXXXXX folder with {CLIENT_STATE}.")
+    raise CheckpointNotFoundError(f"{path} is not a training checkpoint: it has neither `latest` (a train.save "
+                                  f"folder) nor {CLIENT_STATE} (an iter_XXXXXXX folder). Give {accepted}.")
 
 
-def read_checkpoint(path):
+def read_checkpoint(path, also_export: bool = False):
     """A training checkpoint -> (its folder, client state, ModelConfig, TP=1 weights)."""
-    folder = checkpoint_folder(path)
+    folder = checkpoint_folder(path, also_export)
     client = read_client_state(folder)
     cfg = model_config_from_dict(client["model"])
     return folder, client, cfg, read_model_state(folder, cfg, client["layout"])
 
 
+# ------------------------------------------------------------------ reading exports
+
+def read_export_config(folder):
+    """An exported folder's config.json and ModelConfig, checked before any weight is read."""
+    folder = Path(folder)
+    fix = "Give a folder written by megatron-id export-hf (or export the checkpoint again)."
+    path = folder / "config.json"
+    if not folder.exists():
+        raise NotAnExportError(f"{folder} does not exist. {fix}")
+    if not folder.is_dir():
+        raise NotAnExportError(f"{folder} is a file, not an exported folder. {fix}")
+    if not path.is_file():
+        raise NotAnExportError(f"{folder} is not a megatron_id export: it has no config.json. {fix}")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise NotAnExportError(f"{path} is not valid JSON ({err}). {fix}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "megatron_id":
+        raise NotAnExportError(f"{path} has model_type {model_type!r}, not 'megatron_id': {folder} is not an "
+                               f"export of this project. {fix}")
+    if not isinstance(config.get("model"), dict):
+        raise NotAnExportError(f"{path} has no `model` section (the training model config). {fix}")
+    try:
+        cfg = model_config_from_dict(config["model"])
+    except (ValueError, TypeError, OmegaConfBaseException) as err:   # ConfigError is a ValueError
+        raise NotAnExportError(f"{path}: its `model` section is not a valid model config "
+                               f"({' '.join(str(err).split())}). {fix}") from None
+    return config, cfg
+
+
 def read_hf_folder(folder):
     """An exported folder -> (its config.json, ModelConfig, TP=1 weights with training names)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    weights = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
-    return config, model_config_from_dict(config["model"]), weights
+    config, cfg = read_export_config(folder)
+    path = folder / "model.safetensors"
+    fix = "Export the checkpoint again with megatron-id export-hf."
+    if not path.is_file():
+        raise NotAnExportError(f"{path} is missing: {folder} is not a complete export. {fix}")
+    try:
+        weights = {k.removeprefix("model."): v for k, v in load_file(str(path)).items()}
+    except SafetensorError as err:
+        raise NotAnExportError(f"{path} is damaged ({err}): it was truncated or overwritten. {fix}") from None
+    _check_weights(weights, cfg, path, fix)
+    return config, cfg, weights
+
+
+def _check_weights(weights: dict, cfg, path: Path, fix: str) -> None:
+    """The tensors must be exactly those of the model config.json describes (names and shapes):
+    a mismatch named here instead of a stack trace from load_state_dict or the re-sharding."""
+    from ..model import LanguageModel
+    with torch.device("meta"):   # shapes only, no memory
+        expected = {k: tuple(v.shape) for k, v in LanguageModel(cfg, seed=None).state_dict().items()}
+    problems = [f"model.{k} is missing" for k in sorted(set(expected) - set(weights))]
+    problems += [f"model.{k} is not a parameter of this model" for k in sorted(set(weights) - set(expected))]
+    problems += [f"model.{k} has shape {list(weights[k].shape)}, config.json says {list(shape)}"
+                 for k, shape in expected.items() if k in weights and tuple(weights[k].shape) != shape]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise NotAnExportError(f"{path} does not match the model in config.json: {'; '.join(problems[:3])}"
+                               f"{more}. {fix}")
 
 
 def _tokenizer_ids(tokenizer_file: Path) -> dict:
@@ -66,21 +163,167 @@ def _tokenizer_ids(tokenizer_file: Path) -> dict:
     return {"eos_token": tok.id_to_token(eos), "eos_token_id": eos}
 
 
-def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048) -> Path:
-    """Write the Hugging Face folder `output` (atomically: built beside it, then renamed)."""
-    from safetensors.torch import save_file
-    folder, client, cfg, weights = read_checkpoint(checkpoint)
-    tokenizer = tokenizer or client.get("tokenizer")
-    if not tokenizer or not Path(tokenizer).is_file():
-        raise FileNotFoundError(f"tokenizer {tokenizer!r} not found: pass --tokenizer path/to/tokenizer.json "
-                                f"(the one the data was preprocessed with; data.tokenizer records it).")
-    ids = _tokenizer_ids(Path(tokenizer))
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+def find_tokenizer(given, recorded, source: Path) -> Path:
+    """--tokenizer, else the one the checkpoint records; an error with the fix when neither is a file."""
+    fix = "pass --tokenizer path/to/tokenizer.json (the one the data was preprocessed with)"
+    if given:
+        if not Path(given).is_file():
+            raise TokenizerNotFoundError(f"--tokenizer {given} not found: {fix}.")
+        return Path(given)
+    if not recorded:
+        raise TokenizerNotFoundError(f"{source} records no tokenizer (data.tokenizer was not set in training): {fix}.")
+    if not Path(recorded).is_file():
+        raise TokenizerNotFoundError(f"tokenizer {recorded} (recorded in {source}) not found: it was moved or "
+                                     f"deleted; {fix}.")
+    return Path(recorded)
+
+
+# ------------------------------------------------------------------ outputs
+
+def why_not_an_export(folder: Path) -> str | None:
+    """None when `folder` holds an earlier export and nothing else; otherwise why not."""
+    entries = sorted(folder.iterdir())
+    extra = [p.name for p in entries if p.name not in EXPORT_FILES or not p.is_file()]
+    if extra:
+        return f"it holds {_some(extra)}, which an export does not write"
+    config = folder / "config.json"
+    if not config.is_file():
+        return "it has no config.json"
     try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError):   # not JSON, or not an object
+        return "its config.json is not an export's config"
+    if model_type != "megatron_id":
+        return f"its config.json has model_type {model_type!r}"
+    if not (folder / "model.safetensors").is_file():
+        return "it has no model.safetensors"
+    return None
+
+
+def why_not_an_import(folder: Path) -> str | None:
+    """None when `folder` holds one earlier import (weights-only iter_0000000 + `latest`) and
+    nothing else; otherwise why not. A folder with training checkpoints is never ours."""
+    names = sorted(p.name for p in folder.iterdir())
+    history = [n for n in names if n.startswith("iter_") and n != IMPORT_TAG]
+    if history:
+        return f"it holds training checkpoints ({_some(history)}): a training history is never replaced"
+    extra = [n for n in names if n not in ("latest", IMPORT_TAG)]
+    if extra:
+        return f"it holds {_some(extra)}, which import-hf does not write"
+    latest = folder / "latest"
+    if not latest.is_file() or latest.read_text().strip() != IMPORT_TAG:
+        return f"its `latest` does not name {IMPORT_TAG}"
+    try:
+        client = read_client_state(folder / IMPORT_TAG)
+    except Exception:   # missing or unreadable: whatever it is, it is not an import we wrote
+        return f"{folder / IMPORT_TAG / CLIENT_STATE} is missing or damaged"
+    if not client.get("weights_only"):
+        return f"{IMPORT_TAG} is a training checkpoint (not weights only): a training history is never replaced"
+    return None
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_output(output: Path, overwrite: bool, what: str, why_not_ours) -> None:
+    """Refuse an `output` that writing would destroy: a file, a non-empty folder that is not an
+    earlier `what` of ours (even with --overwrite), or an earlier one without --overwrite."""
+    if output.exists() and not output.is_dir():
+        raise OutputExistsError(f"--output {output} is a file, not a folder: nothing was written. Give the path "
+                                f"of a new or empty folder for the {what}.")
+    if not output.is_dir() or not any(output.iterdir()):
+        return   # new or empty: written
+    reason = why_not_ours(output)
+    if reason is not None:
+        raise OutputExistsError(
+            f"--output {output} is not empty and is not an earlier {what}: {reason}. Nothing was written "
+            f"(--overwrite replaces only an earlier {what}, never other files). Choose a new or empty folder.")
+    if not overwrite:
+        raise OutputExistsError(f"--output {output} already holds an earlier {what}: nothing was written. Add "
+                                f"--overwrite to replace it, or choose a new or empty folder.")
+
+
+def refuse_output_inside(output: Path, folder: Path, what: str, example: str) -> None:
+    """An output equal to or inside the folder it is made from would mix into it (and an
+    overwrite could delete it)."""
+    if output == folder or output.is_relative_to(folder):
+        raise OutputExistsError(f"--output {output} is {what} ({folder}) or inside it: nothing was written. "
+                                f"Choose a folder outside it, e.g. {folder.parent / example}.")
+
+
+def _sibling(output: Path, role: str) -> Path:
+    """An unused hidden name beside `output` (same file system, so renames are atomic)."""
+    return output.parent / f".{output.name}.{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def write_folder(output: Path, build) -> Path:
+    """`build(staging)` fills a new folder beside `output`; then it takes the place of `output`
+    (absent, empty, or an earlier output the caller agreed to replace): the old folder is
+    renamed aside, the new one renamed in, and only then the old one deleted. An error at any
+    point leaves `output` as it was and removes the staging folder. (A kill between the two
+    renames leaves the old output complete under its `.old-` name beside `output`.)"""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(output, "partial")
+    staging.mkdir()   # mode from the umask, as any folder the user creates
+    aside = None
+    try:
+        build(staging)
+        if output.exists():
+            aside = _sibling(output, "old")
+            os.replace(output, aside)
+            try:
+                os.replace(staging, output)
+            except BaseException:
+                os.replace(aside, output)   # put the old output back
+                aside = None
+                raise
+        else:
+            os.replace(staging, output)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    if aside is not None:
+        try:
+            shutil.rmtree(aside)
+        except OSError as err:   # the new output is in place: say what is left, do not fail
+            print(f"warning: the replaced {output.name} is left at {aside} ({err.strerror}): delete it "
+                  f"by hand.", file=sys.stderr)
+    return output
+
+
+def _positive(option: str, value: int, meaning: str) -> None:
+    if value < 1:
+        raise BadOptionError(f"{option} {value} is invalid: it must be at least 1 ({meaning}).")
+
+
+# ------------------------------------------------------------------ export and import
+
+def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048, overwrite: bool = False) -> Path:
+    """Write the Hugging Face folder `output` (see the module doc for when an existing one is
+    replaced). Every check runs before anything is written."""
+    from safetensors.torch import save_file
+    _positive("--prefill-chunk-size", prefill_chunk_size, "tokens per prefill chunk; default 2048")
+    folder = checkpoint_folder(checkpoint)
+    output = Path(output).resolve()
+    sources = {Path(checkpoint).resolve(), folder.resolve()}
+    if (folder.parent / "latest").is_file():   # an iter_ folder: its train.save root is the checkpoint too
+        sources.add(folder.parent.resolve())
+    for source in sorted(sources, key=lambda p: len(p.parts)):
+        refuse_output_inside(output, source, "the checkpoint being exported", "hf")
+    check_output(output, overwrite, "export", why_not_an_export)
+    client = read_client_state(folder)   # checked against the checkpoint's manifest, like the weights
+    tokenizer = find_tokenizer(tokenizer, client.get("tokenizer"), folder)
+    ids = _tokenizer_ids(tokenizer)
+    cfg = model_config_from_dict(client["model"])
+    weights = read_model_state(folder, cfg, client["layout"])
+
+    def build(staging: Path) -> None:
         save_file({f"model.{k}": v.contiguous().clone() for k, v in weights.items()},
                   str(staging / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors creates its file owner-only (0600); give it the mode of the other files
+        # (the umask's, as the staging folder has), or a shared export is unreadable to the group
+        os.chmod(staging / "model.safetensors", staging.stat().st_mode & 0o666)
         for name in CODE_FILES:
             shutil.copy(HERE / name, staging / name)
         (staging / "megatron_id_model.py").write_text(bundle_source())
@@ -104,32 +347,59 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": ids["eos_token"],
              "bos_token": ids["eos_token"], "pad_token": ids["eos_token"], "unk_token": ids["eos_token"],
              "model_max_length": 10**9}, indent=2) + "\n")
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return output
+
+    return write_folder(output, build)
 
 
-def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Path:
-    """An exported folder -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP."""
-    folder, output = Path(folder), Path(output)
+def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
+    """The TP size must split the model evenly; the error lists the sizes that do (the
+    divisibility check's own hints are about training config keys, not this option)."""
+    def fits(t: int) -> bool:
+        try:
+            check_divisibility(cfg, t)
+            return True
+        except ParallelConfigError:
+            return False
+    if not fits(tp):
+        valid = ", ".join(str(t) for t in range(1, cfg.n_heads + 1) if fits(t))
+        raise BadOptionError(
+            f"--tensor-parallel {tp} cannot split the model of {folder} (model.n_heads={cfg.n_heads}, SwiGLU "
+            f"hidden size {ffn_hidden_size(cfg)}): every tensor-parallel rank keeps whole heads and an equal "
+            f"share of the SwiGLU. Valid --tensor-parallel values for this model: {valid}.")
+
+
+def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+              overwrite: bool = False) -> Path:
+    """An exported folder -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP (see
+    the module doc for when an existing `output` is replaced). Every check runs before anything
+    is written."""
+    _positive("--tensor-parallel", tensor_parallel, "the tensor parallel size of the checkpoint to write")
+    _positive("--pipeline-parallel", pipeline_parallel, "the pipeline parallel size of the checkpoint to write")
+    folder, output = Path(folder), Path(output).resolve()
+    _, cfg = read_export_config(folder)
+    _check_tensor_parallel(cfg, tensor_parallel, folder)
+    refuse_output_inside(output, folder.resolve(), "the export being imported", "checkpoints")
+    check_output(output, overwrite, "import", why_not_an_import)
     _, cfg, full = read_hf_folder(folder)
     shards = split_state_dict(full, cfg, tensor_parallel)
     layout = {"tensor": tensor_parallel, "pipe": pipeline_parallel, "data": 1, "zero_stage": 0}
     client = {"step": 0, "layout": layout, "model": model_config_dict(cfg), "weights_only": True,
-              "tokenizer": str(folder / "tokenizer.json")}
-    staging = output / ".incomplete" / "iter_0000000"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for tp, shard in enumerate(shards):
-        if pipeline_parallel == 1:
-            torch.save({"module": shard}, staging / module_file(tp))
-            continue
-        for piece in saved_pieces(cfg):
-            torch.save(from_model_names(shard, piece, cfg.n_layers, cfg.tie_embeddings),
-                       staging / layer_file(piece, tp))
-    write_client_state(staging, client)
-    commit(staging, output)
-    return output
+              "tokenizer": str((folder / "tokenizer.json").resolve())}
+
+    def build(staging: Path) -> None:
+        # written as the trainer writes a checkpoint: the iter_ folder first, then `latest` (commit)
+        incomplete = staging / ".incomplete" / IMPORT_TAG
+        incomplete.mkdir(parents=True)
+        for tp, shard in enumerate(shards):
+            if pipeline_parallel == 1:
+                torch.save({"module": shard}, incomplete / module_file(tp))
+                continue
+            for piece in saved_pieces(cfg):
+                torch.save(from_model_names(shard, piece, cfg.n_layers, cfg.tie_embeddings),
+                           incomplete / layer_file(piece, tp))
+        write_client_state(incomplete, client)
+        write_manifest(incomplete, manifest_entries(incomplete, checkpoint_files(incomplete)))   # last, as the trainer
+        commit(incomplete, staging)
+        (staging / ".incomplete").rmdir()
+
+    return write_folder(output, build)

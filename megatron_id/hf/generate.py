@@ -21,22 +21,34 @@ from ..model import LanguageModel
 
 def load_model_and_tokenizer(source, tokenizer=None):
     """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id) from a training checkpoint
-    (root or iter folder) or an exported Hugging Face folder."""
+    (root or iter folder) or an exported Hugging Face folder (it has config.json)."""
     from data_tools.tokenizer import eod_id, load_tokenizer
-    from .export import read_checkpoint, read_hf_folder
+    from .export import find_tokenizer, read_checkpoint, read_hf_folder
     source = Path(source)
-    if (source / "config.json").is_file() and (source / "model.safetensors").is_file():
+    if (source / "config.json").is_file():
         _, cfg, weights = read_hf_folder(source)
-        tokenizer = tokenizer or source / "tokenizer.json"
+        tokenizer = find_tokenizer(tokenizer, str(source / "tokenizer.json"), source)
     else:
-        _, client, cfg, weights = read_checkpoint(source)
-        tokenizer = tokenizer or client.get("tokenizer")
-    if not tokenizer or not Path(tokenizer).is_file():
-        raise FileNotFoundError(f"tokenizer {tokenizer!r} not found: pass --tokenizer path/to/tokenizer.json.")
+        _, client, cfg, weights = read_checkpoint(source, also_export=True)
+        tokenizer = find_tokenizer(tokenizer, client.get("tokenizer"), source)
     model = LanguageModel(cfg, seed=None)
     model.load_state_dict(weights, strict=True)
     tok = load_tokenizer(str(tokenizer))
     return model.eval(), tok, eod_id(tok)
+
+
+def check_options(max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                  prefill_chunk_size: int = 2048) -> None:
+    """Refuse values that would silently generate nothing or fail deep inside the model."""
+    from .export import BadOptionError
+    rules = [("--max-new-tokens", max_new_tokens, max_new_tokens >= 0, "at least 0 (tokens to generate)"),
+             ("--temperature", temperature, temperature >= 0, "at least 0 (0: greedy)"),
+             ("--top-k", top_k, top_k >= 0, "at least 0 (0: no top-k filter)"),
+             ("--prefill-chunk-size", prefill_chunk_size, prefill_chunk_size >= 1,
+              "at least 1 (tokens per prefill chunk; default 2048)")]
+    for option, value, ok, rule in rules:
+        if not ok:   # (a NaN temperature fails its comparison too)
+            raise BadOptionError(f"{option} {value} is invalid: it must be {rule}.")
 
 
 @torch.no_grad()
@@ -44,8 +56,10 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
                  temperature: float = 0.0, top_k: int = 0, prefill_chunk_size: int = 2048,
                  generator: torch.Generator | None = None) -> Iterator[int]:
     """Yield new token ids one at a time."""
+    from .export import BadOptionError
     if not prompt:
-        raise ValueError("the prompt is empty: give at least one token.")
+        raise BadOptionError("the prompt is empty (no tokens): give a prompt with some text.")
+    check_options(max_new_tokens, temperature, top_k, prefill_chunk_size)
     tokens, states = torch.tensor([prompt]), None
     for start in range(0, tokens.shape[1], prefill_chunk_size):
         logits, states = model(tokens[:, start:start + prefill_chunk_size], states=states, return_states=True)
