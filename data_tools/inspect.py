@@ -3,6 +3,12 @@
     python -m data_tools.inspect data/fineweb_text_document               # statistics
     python -m data_tools.inspect data/fineweb --doc 12 --tokenizer tokenizer.json
     python -m data_tools.inspect data/fineweb --check                     # exit 1 when broken
+    python -m data_tools.inspect data/fineweb --check --vocab-size 50304  # ... or ids >= 50304
+
+--check verifies the offsets and the document index, scans every token id (bounded memory) and
+reports their range, negative ids, an .idx dtype code that contradicts the .meta.json sidecar
+(e.g. an int16 index over uint16 data) and, with --vocab-size, ids the model could not embed.
+A dataset that cannot be opened at all (missing, truncated) is one error line, exit 2.
 """
 from __future__ import annotations
 
@@ -11,9 +17,14 @@ import sys
 
 import numpy as np
 
-from megatron_id.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+from megatron_id.data.indexed_dataset import IndexedDataset, meta_path, read_meta, token_id_report
+from megatron_id.errors import UserError, run_guarded
 
-from .tokenizer import TokenizerError, load_tokenizer
+from .tokenizer import load_tokenizer
+
+
+class InspectError(UserError, ValueError):
+    pass
 
 
 def statistics(ds: IndexedDataset) -> str:
@@ -24,38 +35,56 @@ def statistics(ds: IndexedDataset) -> str:
         rows += [("tokens per document (min / mean / max)",
                   f"{lengths.min():,} / {lengths.mean():,.1f} / {lengths.max():,}"),
                  ("empty documents", f"{int((lengths == 0).sum()):,}")]
+    meta = read_meta(ds.prefix)
+    if meta is not None:
+        rows.append(("sidecar", f"{meta_path(ds.prefix)} (vocab_size {meta.get('vocab_size')}, "
+                                f"tokenizer {meta.get('tokenizer')})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_tools.inspect", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m data_tools.inspect", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("prefix", help="dataset prefix (with or without _text_document, .bin or .idx)")
     p.add_argument("--doc", type=int, action="append", default=[], help="print document N (repeatable)")
     p.add_argument("--tokenizer", help="decode --doc with this tokenizer.json (else print ids)")
-    p.add_argument("--check", action="store_true", help="verify sizes, offsets and document index")
-    args = p.parse_args(argv)
-    try:
+    p.add_argument("--check", action="store_true",
+                   help="verify offsets, document index and every token id; exit 1 when broken")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="with --check: also fail when an id is >= this (the model's vocab_size)")
+    return p
+
+
+def main(argv=None, debug: bool = False) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
         ds = IndexedDataset(args.prefix)   # header, sizes and truncation are checked on opening
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    except (IndexedDatasetError, TokenizerError) as err:
-        print(f"inspect: error: {err}", file=sys.stderr)
-        return 1
-    print(statistics(ds))
-    for n in args.doc:
-        if not 0 <= n < len(ds):
-            print(f"inspect: error: document {n} does not exist (0..{len(ds) - 1}).", file=sys.stderr)
-            return 1
-        ids = ds[n].tolist()
-        print(f"\n--- document {n} ({len(ids)} tokens) ---")
-        print(tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ids)
-    if args.check:
+        for n in args.doc:
+            if not 0 <= n < len(ds):
+                raise InspectError(f"--doc {n}: document {n} does not exist in {ds.prefix} "
+                                   f"(0..{len(ds) - 1}).")
+        print(statistics(ds))
+        for n in args.doc:
+            ids = ds[n].tolist()
+            print(f"\n--- document {n} ({len(ids)} tokens) ---")
+            print(tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ids)
+        if not args.check:
+            return 0
         problems = ds.check()
-        for problem in problems:
-            print(f"BROKEN: {problem}", file=sys.stderr)
+        info, id_problems = token_id_report(ds, args.vocab_size, scan=True, what="--vocab-size")
+        problems += id_problems
+        if info["min"] is not None:
+            print(f"token ids: {info['min']:,} .. {info['max']:,}"
+                  + (f" (vocabulary {info['vocab_size']:,}, from the sidecar)" if info["vocab_size"] else ""))
         print("integrity: " + ("broken" if problems else "ok"))
+        sys.stdout.flush()
+        for problem in problems:
+            print(f"inspect: error: {problem}", file=sys.stderr)
         return 1 if problems else 0
-    return 0
+    return run_guarded("inspect", body, debug=debug)
 
 
 if __name__ == "__main__":

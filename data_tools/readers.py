@@ -1,6 +1,9 @@
 """Input documents from jsonl (plain, .gz, .zst), json, parquet and local Hugging Face dataset
 folders, streamed with bounded memory. Every record comes with where it came from, and every
-unreadable one comes back as a Skip with its reason instead of being dropped silently."""
+unreadable one comes back as a Skip with its reason instead of being dropped silently. A file
+that cannot be read on at all (a truncated or corrupt .gz/.zst, a broken parquet file) raises
+InputError naming the file and how far it got: its last line would otherwise pass for one
+malformed document and the rest of the file would be lost without a word."""
 from __future__ import annotations
 
 import glob
@@ -8,6 +11,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +97,51 @@ class _CountingReader(io.RawIOBase):
         return n
 
 
+class TruncatedInput(EOFError):
+    """A compressed stream that ends inside a frame."""
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses one or more concatenated zstd frames and, unlike zstandard's stream_reader
+    (which just stops), raises TruncatedInput when the file ends inside a frame."""
+
+    def __init__(self, f):
+        import zstandard
+        self.f, self._zstd = f, zstandard
+        self._frame = None          # the decompressor of the frame being read, None between frames
+        self._out, self._pos = b"", 0
+
+    def readable(self):
+        return True
+
+    def _fill(self) -> bool:
+        while self._pos >= len(self._out):
+            data = self.f.read(1 << 16)
+            if not data:
+                if self._frame is not None:
+                    raise TruncatedInput("the zstd stream ends inside a frame")
+                return False
+            chunks = []
+            while data:
+                if self._frame is None:
+                    self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                chunks.append(self._frame.decompress(data))
+                if self._frame.eof:   # a frame ended: what follows starts the next frame
+                    data, self._frame = self._frame.unused_data, None
+                else:
+                    data = b""
+            self._out, self._pos = b"".join(chunks), 0
+        return True
+
+    def readinto(self, b):
+        if not self._fill():
+            return 0
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
 def _open_binary(path: Path, counter: list):
     raw = _CountingReader(open(path, "rb"))
     counter.append(raw)
@@ -100,12 +149,43 @@ def _open_binary(path: Path, counter: list):
     if name.endswith(".gz"):
         return gzip.GzipFile(fileobj=io.BufferedReader(raw))
     if name.endswith(".zst"):
-        import zstandard
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(io.BufferedReader(raw)))
+        return io.BufferedReader(_ZstdReader(io.BufferedReader(raw)))
     return io.BufferedReader(raw)
 
 
+def _stream_errors():
+    """The exceptions of a compressed stream that cannot be read on."""
+    errors = [EOFError, zlib.error, gzip.BadGzipFile]
+    try:
+        import zstandard
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _unreadable(path: Path, counter: list, lines: int, err: Exception) -> InputError:
+    size = path.stat().st_size
+    reached = counter[-1].count if counter else 0
+    if isinstance(err, EOFError):
+        what = (f"is truncated: its compressed stream ends at byte {reached:,} of {size:,} before "
+                f"its end marker ({err})")
+        fix = "Re-download or re-create the file (compare its checksum)."
+    else:
+        what = f"cannot be decompressed at compressed byte {reached:,} of {size:,} ({err})"
+        fix = "Check that it is a complete file of the type its name says."
+    return InputError(f"input {path} {what}, after {lines:,} complete line{'' if lines == 1 else 's'}. {fix}")
+
+
 def _iter_jsonl(path: Path, counter: list):
+    lines = [0]
+    try:
+        yield from _iter_jsonl_lines(path, counter, lines)
+    except _stream_errors() as err:
+        raise _unreadable(path, counter, lines[0], err) from None
+
+
+def _iter_jsonl_lines(path: Path, counter: list, lines: list):
     with _open_binary(path, counter) as f:
         first = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
         if first.startswith(b"["):   # a JSON array file: loaded whole (jsonl streams)
@@ -119,6 +199,7 @@ def _iter_jsonl(path: Path, counter: list):
                     Skip(str(path), i, "not a JSON object")
             return
         for i, raw in enumerate(f, start=1):
+            lines[0] = i
             if not raw.strip():
                 continue
             try:
@@ -126,16 +207,27 @@ def _iter_jsonl(path: Path, counter: list):
             except UnicodeDecodeError:
                 yield Skip(str(path), i, "not UTF-8")
                 continue
+            del raw   # one huge line: keep only one copy of it alive at a time
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 yield Skip(str(path), i, "malformed JSON")
                 continue
+            del line
             yield Record(str(path), i, row) if isinstance(row, dict) else \
                 Skip(str(path), i, "not a JSON object")
 
 
 def _iter_parquet(path: Path, counter: list, columns):
+    import pyarrow as pa
+    try:
+        yield from _iter_parquet_rows(path, counter, columns)
+    except pa.ArrowException as err:
+        raise InputError(f"input {path} is not a readable parquet file ({err}). Check that it is "
+                         f"complete (re-download it) or convert it to jsonl.") from None
+
+
+def _iter_parquet_rows(path: Path, counter: list, columns):
     import pyarrow.parquet as pq
     f = pq.ParquetFile(path)
     names = set(f.schema_arrow.names)

@@ -13,6 +13,15 @@ class TokenizerError(UserError, ValueError):
     pass
 
 
+def tokenizer_file(path) -> Path | None:
+    """The tokenizer.json that --tokenizer names (a file, or a folder holding one), absolute;
+    None when no path is given. Recorded in the dataset's .meta.json sidecar."""
+    if not path:
+        return None
+    p = Path(path)
+    return (p / "tokenizer.json" if p.is_dir() else p).resolve()
+
+
 def load_tokenizer(path=None, vocab_file=None, merge_file=None):
     from tokenizers import Tokenizer
     if path:

@@ -3,16 +3,28 @@
     python -m data_tools.train_tokenizer --input corpus.txt more/*.jsonl --vocab-size 8192 \\
         --output tokenizer.json
 Text files are read line by line; .jsonl/.parquet inputs contribute their --json-keys fields.
+An existing --output is replaced only with --overwrite; the file is written under a temporary
+name and renamed when complete.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from .readers import TEXT_SUFFIXES, InputError, Record, expand_inputs, iter_documents
+from megatron_id.data.indexed_dataset import remove_stale_temps, temp_path
+from megatron_id.errors import UserError, run_guarded
+
+from .outputs import check_outputs, make_folder, remove_folders, report_stale
+from .readers import TEXT_SUFFIXES, Record, expand_inputs, iter_documents
 
 EOD = "<|endoftext|>"
+MIN_VOCAB = 258   # 256 byte tokens + EOD + at least one merge
+
+
+class TrainTokenizerError(UserError, ValueError):
+    pass
 
 
 def _texts(files, keys):
@@ -38,28 +50,48 @@ def train(files, vocab_size: int, keys=("text",), min_frequency: int = 2):
     return tok
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_tools.train_tokenizer", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m data_tools.train_tokenizer",
+                                description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--input", nargs="+", required=True)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--min-frequency", type=int, default=2)
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output", required=True, help="tokenizer.json to write")
-    args = p.parse_args(argv)
-    try:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output (only once the new tokenizer is written)")
+    return p
+
+
+def main(argv=None, debug: bool = False) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        if args.vocab_size < MIN_VOCAB:
+            raise TrainTokenizerError(f"--vocab-size {args.vocab_size}: must be at least {MIN_VOCAB} "
+                                      f"(the 256 byte tokens, {EOD} and some merges).")
+        out = Path(args.output)
         files = expand_inputs(args.input, allow_text=True)
-    except InputError as err:
-        print(f"train_tokenizer: error: {err}", file=sys.stderr)
-        return 2
-    tok = train(files, args.vocab_size, args.json_keys, args.min_frequency)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tok.save(str(tmp))
-    tmp.replace(out)
-    print(f"trained byte-level BPE, vocabulary {tok.get_vocab_size():,} ({EOD} = "
-          f"{tok.token_to_id(EOD)}) -> {out}", file=sys.stderr)
-    return 0
+        check_outputs([out], "--output", out, args.overwrite)   # before the (long) training
+        tok = train(files, args.vocab_size, args.json_keys, args.min_frequency)
+        if tok.get_vocab_size() <= MIN_VOCAB - 1:   # nothing but the alphabet: no text was read
+            raise TrainTokenizerError(f"no text to learn from in {', '.join(map(str, files[:3]))}"
+                                      f"{', ...' if len(files) > 3 else ''}: the inputs are empty or "
+                                      f"have no --json-keys {' '.join(args.json_keys)} field.")
+        created = make_folder(out.parent)
+        report_stale("train_tokenizer", remove_stale_temps([out]))
+        tmp = temp_path(out)
+        try:
+            tok.save(str(tmp))
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            remove_folders(created)
+            raise
+        print(f"trained byte-level BPE, vocabulary {tok.get_vocab_size():,} ({EOD} = "
+              f"{tok.token_to_id(EOD)}) -> {out}", file=sys.stderr)
+        return 0
+    return run_guarded("train_tokenizer", body, debug=debug)
 
 
 if __name__ == "__main__":

@@ -264,3 +264,84 @@ def test_megatron_id_preprocess_entry_point_and_progress(tmp_path, capsys):
     progress.update(stats, done_bytes=250)
     line = stream.getvalue()
     assert "10 docs (" in line and "5,000 tokens (" in line and "25.0% of input" in line and "ETA" in line
+
+
+# ---------------------------------------------------------------- huge documents, in pieces
+
+TRICKY = ("It's  two  spaces, a\ttab, ünïcödé, 日本語のテキスト, numbers 123 4567, <|endoftext|> inside, "
+          "trailing   \n\n  indented lines\r\nand 'quotes' they'll've  ...  \u00a0nbsp end ")
+
+
+def test_pieces_give_exactly_the_ids_of_the_whole_text(tokenizer):
+    from data_tools.pieces import PieceCutter
+    full = TRICKY.join(texts_of(FINEWEB)) + TRICKY
+    whole_ids = {}
+    for piece_chars, text in ((7, full[:30_000]), (1000, full), (20_000, full)):   # 7: nearly every word
+        if len(text) not in whole_ids:
+            whole_ids[len(text)] = tokenizer.encode(text, add_special_tokens=False).ids
+        whole = whole_ids[len(text)]
+        cutter = PieceCutter(tokenizer, piece_chars)
+        pieces = cutter.split(text)
+        assert "".join(pieces) == text
+        assert len(pieces) > len(text) // (piece_chars * 2)
+        assert piece_chars < 1000 or max(map(len, pieces)) <= piece_chars
+        ids = [i for e in tokenizer.encode_batch_fast(pieces, add_special_tokens=False) for i in e.ids]
+        assert ids == whole, piece_chars
+
+
+def test_a_cut_that_would_change_the_ids_is_not_used(tokenizer):
+    """A normalizer that prepends to every input makes every cut unsafe: the verification
+    rejects them all and the text is tokenised whole."""
+    from tokenizers import Tokenizer, normalizers
+
+    from data_tools.pieces import PieceCutter
+    prepending = Tokenizer.from_str(tokenizer.to_str())
+    prepending.normalizer = normalizers.Prepend("Q")
+    text = " ".join(texts_of(FINEWEB)[:5])
+    cutter = PieceCutter(prepending, 500)
+    assert cutter.split(text) == [text] and cutter.uncut_documents == 1
+    plain = PieceCutter(tokenizer, 500)
+    assert len(plain.split(text)) > 10 and plain.uncut_documents == 0
+
+
+def test_preprocessing_in_pieces_writes_the_same_bytes(tmp_path, fineweb_prefix, monkeypatch, capsys):
+    import data_tools.preprocess as pre
+    monkeypatch.setattr(pre, "PIECE_CHARS", 300)   # every sample document is cut, many times
+    monkeypatch.setattr(pre, "BATCH_CHARS", 5_000)   # and its pieces spread over encode calls
+    code, prefix = preprocess(tmp_path, [FINEWEB], "pieces")
+    assert code == 0
+    assert "documents longer than 300 characters, tokenised in pieces: 150" in capsys.readouterr().err
+    for ext in (".bin", ".idx"):
+        assert Path(f"{prefix}{ext}").read_bytes() == Path(f"{fineweb_prefix}{ext}").read_bytes()
+
+
+# Peak RSS from /proc (VmHWM): getrusage's ru_maxrss survives exec, so a child started from
+# this big pytest process would report at least the parent's size.
+MEASURE = """
+import re, sys
+sys.path.insert(0, {root!r})
+from data_tools.preprocess import main
+code = main({argv!r})
+status = open("/proc/self/status").read()
+print(code, int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)) * 1024)
+"""
+
+
+def test_one_huge_document_keeps_memory_bounded(tmp_path, tokenizer):
+    """An 8 MB single document: tokenised whole it takes ~1 GB inside `tokenizers` (5 GB at
+    50 MB, see benchmarks/huge_document.py); in pieces the whole run stays under 450 MB."""
+    import subprocess
+    import sys
+    text = "\n\n".join(texts_of(FINEWEB))
+    text = (text * (8_000_000 // len(text) + 1))[:8_000_000]
+    src = tmp_path / "huge.jsonl"
+    src.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+    argv = ["--input", str(src), "--tokenizer", str(GPT2), "--output-prefix", str(tmp_path / "huge"),
+            "--no-progress", "--workers", "2"]
+    done = subprocess.run([sys.executable, "-c", MEASURE.format(root=str(ROOT), argv=argv)],
+                          capture_output=True, text=True, timeout=300)
+    code, peak = map(int, done.stdout.split())
+    assert code == 0, done.stderr
+    assert peak < 450 * 2**20, f"peak RSS {peak / 2**20:.0f} MiB"
+    ds = IndexedDataset(tmp_path / "huge")
+    assert len(ds) == 1 and tokenizer.decode(ds[0].tolist()) == text

@@ -10,8 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from distributed import run_distributed
-from megatron_id.data.gpt_dataset import (BlendedDataset, GPTDataset, PretrainingSampler,
-                                          build_gpt_datasets, parse_data_path, split_ranges)
+from megatron_id.data.gpt_dataset import (BlendedDataset, DataConfigError, GPTDataset,
+                                          PretrainingSampler, build_gpt_datasets, check_data,
+                                          parse_data_path, parse_split, split_ranges)
 from megatron_id.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 SEQ = 16
@@ -124,3 +125,31 @@ def test_rank0_builds_the_index_while_others_wait(tmp_path):
                               timeout=120)
     assert [built for built, _ in results] == [True, False]
     assert results[0][1] == results[1][1]
+
+
+def test_check_data_refuses_what_cannot_train_before_any_index_is_built(tmp_path):
+    unique_token_corpus(tmp_path / "c", 100, seed=7)   # int32, ids up to ~3000, no empty cache
+    good = str(tmp_path / "c")
+    check_data(good, "969,30,1", SEQ, 10_000_000)
+    check_data(f"1 {good} 0 {tmp_path / 'c'}", "100,0,0", SEQ, 10_000_000)
+    assert not (tmp_path / "index-cache").exists()
+    cases = [
+        ((str(tmp_path / "missing"), "969,30,1", SEQ, 10_000_000),
+         r"data\.data_path: no indexed dataset at '.*missing': looked for .*missing\.bin"),
+        ((good, "0,100,0", SEQ, 10_000_000),
+         r"data\.split=0,100,0 leaves no training documents in .*c \(100 documents\): give the train split"),
+        ((good, "1,999,0", SEQ, 10_000_000),   # 0.1% of 100 documents rounds to none
+         r"data\.split=1,999,0 leaves no training documents"),
+        ((good, "969,30,1", 100_000, 10_000_000),
+         r"holds [\d,]+ tokens, fewer than model\.seq_length \+ 1 = 100,001 needed for one sample"),
+        ((good, "969,30,1", SEQ, 1000),
+         r"c\.bin holds token id \d+ but model\.vocab_size=1000: set model\.vocab_size to at least"),
+        ((good, "train,valid", SEQ, 10_000_000), r"data\.split='train,valid': give up to three non-negative numbers"),
+        ((f"0.5 {good} 0.5", "969,30,1", SEQ, 10_000_000), r"weight/prefix pairs"),
+    ]
+    for args, message in cases:
+        with pytest.raises(DataConfigError, match=message) as err:
+            check_data(*args)
+        assert err.value.same_on_every_rank and isinstance(err.value, ValueError)
+    with pytest.raises(ValueError, match="data.split='-1,2'"):   # still a ValueError for old callers
+        parse_split("-1,2")

@@ -64,6 +64,9 @@ CONFIG_CASES = [
     (["train.zero_stage=5"], r"train.zero_stage=5 is invalid"),
     (["parallel.tensor_model_parallel_size=2"], r"(world|tensor).*2"),
     (["train.global_batch_size=3"], r"train.global_batch_size=3 must be a positive multiple"),
+    (["model.vocab_size=512"], r"token id 50256 .*model.vocab_size=512"),   # GPT-2 data, vocab forgotten
+    (["data.split=0,100,0"], r"data.split=0,100,0 leaves no training documents"),
+    (["data.data_path=[/nonexistent/corpus_text_document]"], r"/nonexistent/corpus_text_document"),
 ]
 
 

@@ -13,6 +13,10 @@
   its weight, as Megatron does.
 - `PretrainingSampler` resumes from a number of consumed samples: the order after resuming is
   the order without interruption.
+- `check_data(data_path, split, seq_length, vocab_size)` is the cheap check the trainer runs
+  before starting (no index is built): every prefix exists, every train split can make a sample
+  and every token id fits the model's vocabulary. Its errors are DataConfigError, the same on
+  every rank.
 """
 from __future__ import annotations
 
@@ -24,9 +28,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .indexed_dataset import IndexedDataset
+from ..errors import UserError
+from .indexed_dataset import IndexedDataset, IndexedDatasetError, check_token_ids
 
 INDEX_VERSION = 1
+
+
+class DataConfigError(UserError, ValueError):
+    """data.data_path / data.split do not fit the data on disk or the model (a ValueError too,
+    as these were before). Every rank finds the same problem, so only rank 0 prints it."""
+
+    same_on_every_rank = True
 
 
 # ---------------------------------------------------------------- data paths and splits
@@ -34,31 +46,41 @@ INDEX_VERSION = 1
 def parse_data_path(items) -> list[tuple[float, str]]:
     """`prefix` or `w1 p1 w2 p2 ...` -> [(normalised weight, prefix)]."""
     items = [str(x) for x in (items.split() if isinstance(items, str) else items)]
+    if not items:
+        raise DataConfigError("data path is empty: give a preprocessed dataset prefix, e.g. "
+                              "data.data_path=[data/my_corpus_text_document].")
     if len(items) == 1:
         return [(1.0, items[0])]
     if len(items) % 2:
-        raise ValueError(f"data path {' '.join(items)!r}: give one prefix, or weight/prefix pairs "
-                         f"(w1 p1 w2 p2 ...).")
+        raise DataConfigError(f"data path {' '.join(items)!r}: give one prefix, or weight/prefix "
+                              f"pairs (w1 p1 w2 p2 ...).")
     pairs = []
     for w, p in zip(items[::2], items[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise ValueError(f"data path: '{w}' should be a weight before prefix '{p}'.") from None
-        if weight < 0:
-            raise ValueError(f"data path: weight {weight} for '{p}' is negative.")
+            raise DataConfigError(f"data path: '{w}' should be a weight before prefix '{p}' "
+                                  f"(w1 p1 w2 p2 ...).") from None
+        if not weight >= 0 or math.isinf(weight):
+            raise DataConfigError(f"data path: weight {w} for '{p}' must be a finite number >= 0.")
         pairs.append((weight, p))
     total = sum(w for w, _ in pairs)
     if total <= 0:
-        raise ValueError("data path: the weights sum to zero.")
+        raise DataConfigError(f"data path {' '.join(items)!r}: the weights sum to zero; give at "
+                              f"least one prefix a positive weight.")
     return [(w / total, p) for w, p in pairs]
 
 
 def parse_split(split: str) -> list[float]:
     """'969,30,1' (or '969/30/1') -> normalised train/valid/test weights."""
-    parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
-    if not 1 <= len(parts) <= 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
-        raise ValueError(f"split '{split}': give up to three non-negative weights like 969,30,1.")
+    usage = (f"data.split={split!r}: give up to three non-negative numbers, the train, valid and "
+             f"test shares of the documents, e.g. 969,30,1.")
+    try:
+        parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise DataConfigError(usage) from None
+    if not 1 <= len(parts) <= 3 or any(not 0 <= x < math.inf for x in parts) or sum(parts) <= 0:
+        raise DataConfigError(usage)
     parts += [0.0] * (3 - len(parts))
     return [x / sum(parts) for x in parts]
 
@@ -118,7 +140,8 @@ def build_sample_index(lengths: np.ndarray, documents: np.ndarray, num_samples: 
     """The three Megatron indices for `num_samples` samples drawn from `documents`."""
     tokens_per_epoch = int(lengths[documents].sum(dtype=np.int64))
     if tokens_per_epoch < 2:
-        raise ValueError(f"the split holds {tokens_per_epoch} tokens: too few to make samples.")
+        raise DataConfigError(f"the split holds {tokens_per_epoch} tokens: too few to make samples; "
+                              f"give it more documents (data.split) or more data.")
     num_epochs = math.ceil((num_samples * seq_length + 1) / tokens_per_epoch)
     rng = np.random.RandomState(seed)
     doc_idx = np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int64)
@@ -139,8 +162,8 @@ class GPTDataset:
         self.indexed, self.seq_length, self.num_samples, self.name = indexed, seq_length, num_samples, name
         start, end = documents
         if end <= start:
-            raise ValueError(f"{name} split of {indexed.prefix} has no documents ({start}:{end}); "
-                             f"change --split or the data.")
+            raise DataConfigError(f"{name} split of {indexed.prefix} has no documents "
+                                  f"({start}:{end}); change data.split or the data.")
         description = {"class": "GPTDataset", "version": INDEX_VERSION, "name": name,
                        "prefix": str(Path(indexed.prefix).resolve()), "num_documents": len(indexed),
                        "num_tokens": indexed.num_tokens, "documents": [start, end],
@@ -228,6 +251,39 @@ def build_gpt_datasets(data_path, split: str, num_samples, seq_length: int, seed
         else:
             out.append(BlendedDataset(parts, weights, n, cache_dir, name))
     return tuple(out)
+
+
+def check_data(data_path, split, seq_length: int, vocab_size: int) -> None:
+    """Cheap checks before training (no index is built; a token-id scan only for a prefix
+    without its .meta.json sidecar): every prefix of `data_path` exists, the train split of every
+    prefix with a positive weight has documents and at least seq_length + 1 tokens, and every
+    token id is below `vocab_size`. Raises DataConfigError (same_on_every_rank) naming the
+    prefix, the value and the fix."""
+    blend = parse_data_path(data_path)
+    parse_split(split)
+    for weight, prefix in blend:
+        try:
+            indexed = IndexedDataset(prefix)
+        except IndexedDatasetError as err:
+            raise DataConfigError(f"data.data_path: {err}") from None
+        if weight > 0:
+            start, end = split_ranges(len(indexed), split)[0]
+            docs = f"{len(indexed):,} document{'s' if len(indexed) != 1 else ''}"
+            if end <= start:
+                raise DataConfigError(
+                    f"data.split={split} leaves no training documents in {indexed.prefix} ({docs}): "
+                    f"give the train split a larger share (e.g. data.split=969,30,1) or use more data.")
+            tokens = int(indexed.lengths[start:end].sum(dtype=np.int64))
+            if tokens < seq_length + 1:
+                raise DataConfigError(
+                    f"the train split of {indexed.prefix} (documents {start}..{end - 1} of {docs}, "
+                    f"data.split={split}) holds {tokens:,} tokens, fewer than model.seq_length + 1 = "
+                    f"{seq_length + 1:,} needed for one sample: use more data, a larger train share "
+                    f"or a smaller model.seq_length.")
+        try:
+            check_token_ids(indexed.prefix, vocab_size)
+        except IndexedDatasetError as err:
+            raise DataConfigError(str(err)) from None
 
 
 class PretrainingSampler:

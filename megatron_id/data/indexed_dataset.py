@@ -13,12 +13,27 @@ Byte-compatible with Megatron-LM and GPT-NeoX ("MMIDIDX" version 1), little-endi
     34 + 12N    8(D+1)    int64 document boundaries, in sequence indices: [0, ..., N]
 
 Here one document is one sequence (no sentence splitting), so the boundaries are 0..N.
-Writers write to temporary names and rename at the end: a crash never leaves a partial file
-under the final name. Readers memory-map both files and check their sizes against the header.
+Writers write to temporary names (`.<name>.tmp-<pid>`) and rename at the end: a crash never
+leaves a partial file under the final name, and the temporary files of a killed run are removed
+by the next run for the same output (`remove_stale_temps`). Readers memory-map both files and
+check their sizes against the header.
+
+Beside the pair, writers put a small sidecar `<prefix>.meta.json` (ours; Megatron ignores it):
+
+    {"format": "megatron_id.dataset_meta/1", "dtype": "uint16", "vocab_size": 50257,
+     "max_token_id": 50256, "min_token_id": 0, "num_sequences": 150, "num_tokens": 89203,
+     "tokenizer": "/abs/path/tokenizer.json", "eod_id": 50256}
+
+`check_token_ids(prefix, vocab_size)` uses it (or scans the .bin when it is missing or stale)
+so that a model whose vocabulary is too small for the data fails before training instead of
+training on ids it cannot embed.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -33,6 +48,10 @@ HEADER = struct.Struct("<9sQBQQ")   # magic, version, dtype code, N, D + 1: 34 b
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 DOCUMENT_SUFFIX = "_text_document"
+
+
+META_FORMAT = "megatron_id.dataset_meta/1"
+SCAN_CHUNK_TOKENS = 64 * 1024 * 1024   # tokens per memory-mapped slice when scanning a .bin
 
 
 class IndexedDatasetError(UserError, ValueError):
@@ -63,55 +82,147 @@ def resolve_prefix(path: str | os.PathLike) -> Path:
         f"preprocessing, e.g. my_corpus_text_document (with or without .bin/.idx).")
 
 
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def meta_path(prefix: str | os.PathLike) -> Path:
+    """The sidecar of a dataset prefix: `<prefix>.meta.json`."""
+    return Path(f"{prefix}.meta.json")
+
+
+def output_files(prefix: str | os.PathLike) -> list[Path]:
+    """The files a writer creates for `prefix`: .bin, .idx and the .meta.json sidecar."""
+    return [Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), meta_path(prefix)]
+
+
+def temp_path(path: str | os.PathLike, pid: int | None = None) -> Path:
+    """Where a writer puts `path` until it is complete: `.<name>.tmp-<pid>` in the same folder
+    (same file system, so the final rename is atomic; the pid tells stale ones apart)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(targets) -> list[Path]:
+    """Remove the temporary files (or folders) that killed runs left for the given final paths:
+    `.<name>.tmp-<pid>` beside each target whose pid is not a live process on this machine.
+    Those of live processes (a run going on now) are left alone. Returns what was removed."""
+    by_folder: dict[Path, set[str]] = {}
+    for target in map(Path, targets):
+        by_folder.setdefault(target.parent, set()).add(target.name)
+    removed = []
+    for folder, names in by_folder.items():
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            match = _TEMP_NAME.match(entry.name)
+            if not match or match["name"] not in names:
+                continue
+            pid = int(match["pid"])
+            if pid == os.getpid() or _pid_alive(pid):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+def read_meta(prefix: str | os.PathLike) -> dict | None:
+    """The sidecar of `prefix` as a dict, or None when it is absent, unreadable or not ours."""
+    try:
+        meta = json.loads(meta_path(prefix).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == META_FORMAT else None
 
 
 class IndexedDatasetWriter:
-    """Streams sequences into `<prefix>.bin/.idx`, atomically.
+    """Streams sequences into `<prefix>.bin/.idx` (+ the `.meta.json` sidecar), atomically.
 
         with IndexedDatasetWriter(prefix, dtype) as w:
             w.add(np.array([...]))
     Leaving the block normally renames the temporary files into place; an exception removes
     them. Sequence lengths are kept in memory (4 bytes per document), nothing else is.
+    `finalize()` is `prepare()` (close and write the index and sidecar, still under temporary
+    names) then `commit()` (the renames): a tool writing several outputs prepares all of them
+    before committing any, so a failure leaves every old output as it was.
+    The writer replaces existing files: refusing to overwrite is the caller's decision.
+    `vocab_size`, `tokenizer` and `eod_id` are recorded in the sidecar (None: unknown).
     """
 
-    def __init__(self, prefix: str | os.PathLike, dtype):
+    def __init__(self, prefix: str | os.PathLike, dtype, *, vocab_size: int | None = None,
+                 tokenizer: str | None = None, eod_id: int | None = None):
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
             raise ValueError(f"dtype {self.dtype} cannot be written (use one of "
                              f"{sorted(str(np.dtype(t)) for t in DTYPE_CODES.values())})")
+        self.vocab_size, self.tokenizer, self.eod_id = vocab_size, tokenizer, eod_id
         self.bin_path, self.idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+        self.meta_path = meta_path(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        self._bin_tmp, self._idx_tmp = _temp_name(self.bin_path), _temp_name(self.idx_path)
+        self._bin_tmp, self._idx_tmp = temp_path(self.bin_path), temp_path(self.idx_path)
+        self._meta_tmp = temp_path(self.meta_path)
         self._bin = open(self._bin_tmp, "wb")
         self._lengths = np.zeros(1024, dtype=np.int32)
         self.num_sequences = 0
+        self.num_tokens = 0
+        self.min_token_id: int | None = None
+        self.max_token_id: int | None = None
+        self._prepared = False
+
+    def _see(self, low, high) -> None:
+        """Track the id range for the sidecar and refuse ids the dtype cannot hold."""
+        low, high = int(low), int(high)
+        info = np.iinfo(self.dtype)
+        if low < info.min or high > info.max:
+            raise ValueError(f"token ids {low}..{high} do not fit {self.dtype}")
+        self.min_token_id = low if self.min_token_id is None else min(self.min_token_id, low)
+        self.max_token_id = high if self.max_token_id is None else max(self.max_token_id, high)
 
     def add(self, tokens: np.ndarray) -> None:
         tokens = np.asarray(tokens)
-        if tokens.size and (tokens.min() < np.iinfo(self.dtype).min or tokens.max() > np.iinfo(self.dtype).max):
-            raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype}")
+        if tokens.size:
+            self._see(tokens.min(), tokens.max())
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         if self.num_sequences == len(self._lengths):
             self._lengths = np.resize(self._lengths, 2 * len(self._lengths))
         self._lengths[self.num_sequences] = tokens.size
         self.num_sequences += 1
+        self.num_tokens += int(tokens.size)
 
     def add_many(self, flat: np.ndarray, lengths: np.ndarray) -> None:
         """Append several sequences given as one flat array and their lengths (fast path)."""
-        self._bin.write(np.asarray(flat).astype(self.dtype, copy=False).tobytes())
+        flat = np.asarray(flat)
+        if flat.size:
+            self._see(flat.min(), flat.max())
+        self._bin.write(flat.astype(self.dtype, copy=False).tobytes())
         self._extend_lengths(lengths)
+        self.num_tokens += int(flat.size)
 
     def append(self, other: "IndexedDataset", chunk_tokens: int = 1 << 24) -> None:
-        """Append every sequence of another dataset of the same dtype, copying in chunks."""
+        """Append every sequence of another dataset of the same dtype, copying in chunks (the
+        id range is taken from the chunks as they pass, so inputs need no sidecar)."""
         if other.dtype != self.dtype:
             raise IndexedDatasetError(f"cannot append {other.prefix} ({other.dtype}) to a "
                                       f"{self.dtype} dataset.")
         for start in range(0, other.num_tokens, chunk_tokens):
-            self._bin.write(np.asarray(other._bin[start:start + chunk_tokens]).tobytes())
+            chunk = np.asarray(other._bin[start:start + chunk_tokens])
+            self._see(chunk.min(), chunk.max())
+            self._bin.write(chunk.tobytes())
         self._extend_lengths(other.lengths)
+        self.num_tokens += other.num_tokens
 
     def _extend_lengths(self, lengths) -> None:
         need = self.num_sequences + len(lengths)
@@ -120,17 +231,39 @@ class IndexedDatasetWriter:
         self._lengths[self.num_sequences:need] = lengths
         self.num_sequences = need
 
-    def finalize(self) -> None:
+    def meta(self) -> dict:
+        """The sidecar's content for what was written so far."""
+        return {"format": META_FORMAT, "dtype": str(self.dtype), "vocab_size": self.vocab_size,
+                "max_token_id": self.max_token_id, "min_token_id": self.min_token_id,
+                "num_sequences": self.num_sequences, "num_tokens": self.num_tokens,
+                "tokenizer": self.tokenizer, "eod_id": self.eod_id}
+
+    def prepare(self) -> None:
+        """Close the .bin and write the .idx and the sidecar, all still under temporary names."""
         self._bin.close()
         write_index(self._idx_tmp, self.dtype, self._lengths[: self.num_sequences])
+        self._meta_tmp.write_text(json.dumps(self.meta(), indent=1) + "\n")
+        self._prepared = True
+
+    def commit(self) -> None:
+        """Rename the prepared files into place. The sidecar goes first (it is checked against
+        the pair, so a stale one is ignored), the .idx last (readers check the .bin against it:
+        a crash between two renames leaves a pair that is refused on opening, never misread)."""
+        if not self._prepared:
+            self.prepare()
+        os.replace(self._meta_tmp, self.meta_path)
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(self._idx_tmp, self.idx_path)
 
+    def finalize(self) -> None:
+        self.prepare()
+        self.commit()
+
     def abort(self) -> None:
+        """Remove the temporary files; the final names are never touched."""
         self._bin.close()
-        for path in (self._bin_tmp, self._idx_tmp):
-            if path.exists():
-                path.unlink()
+        for path in (self._bin_tmp, self._idx_tmp, self._meta_tmp):
+            path.unlink(missing_ok=True)
 
     def __enter__(self):
         return self
@@ -225,3 +358,96 @@ class IndexedDataset:
             problems.append("the document index is not an increasing list from 0 to the number "
                             "of sequences")
         return problems
+
+
+# ---------------------------------------------------------------- token ids against a vocabulary
+
+def matching_meta(ds: IndexedDataset) -> dict | None:
+    """The sidecar of `ds` when it describes this very pair (same number of tokens and
+    sequences; the dtype is compared by token_id_report), else None: a sidecar left from an
+    earlier pair is ignored rather than believed."""
+    meta = read_meta(ds.prefix)
+    if meta is not None and meta.get("num_tokens") == ds.num_tokens and \
+            meta.get("num_sequences") == len(ds):
+        return meta
+    return None
+
+
+def scan_token_range(ds: IndexedDataset, chunk_tokens: int = SCAN_CHUNK_TOKENS) -> tuple[int | None, int | None]:
+    """(min, max) token id of the .bin, read in memory-mapped slices of `chunk_tokens` that are
+    unmapped one after the other, so the memory used stays bounded whatever the file size."""
+    total = ds.num_tokens
+    low = high = None
+    for start in range(0, total, chunk_tokens):
+        count = min(chunk_tokens, total - start)
+        part = np.memmap(ds.bin_path, mode="r", dtype=ds.dtype, offset=start * ds.dtype.itemsize,
+                         shape=(count,))
+        lo, hi = int(part.min()), int(part.max())
+        del part
+        low = lo if low is None else min(low, lo)
+        high = hi if high is None else max(high, hi)
+    return low, high
+
+
+def token_id_report(ds: IndexedDataset, vocab_size: int | None = None, *, scan: bool = False,
+                    what: str = "model.vocab_size") -> tuple[dict, list[str]]:
+    """The token-id range of a dataset and the problems found with it.
+
+    Uses the sidecar when it matches the pair (same dtype, number of tokens and sequences) and
+    `scan` is False, else scans the .bin. Problems: the sidecar's dtype differs from the .idx
+    dtype code (the index was written or patched with the wrong code, e.g. int16 over uint16
+    data, whose ids above 32767 then read as negative), a negative id, an id at or above
+    `vocab_size` (named `what` in the message), and a scanned range that contradicts the
+    sidecar. Returns ({"min", "max", "source", "vocab_size", "meta"}, problems)."""
+    problems = []
+    meta = matching_meta(ds)
+    meta_file = meta_path(ds.prefix)
+    matches = meta is not None
+    if matches and meta.get("dtype") != str(ds.dtype):
+        recorded = meta.get("dtype")
+        code = {str(np.dtype(t)): c for c, t in DTYPE_CODES.items()}.get(recorded, "?")
+        problems.append(
+            f"{ds.idx_path} declares {ds.dtype} token ids (dtype code {CODE_OF[ds.dtype]}) but "
+            f"{meta_file} records {recorded}, as the data was written: the .idx has the wrong "
+            f"dtype code, so ids read back wrong (an int16 index over uint16 data turns ids above "
+            f"32767 negative). Re-create the pair with data_tools.preprocess, or set byte 17 of "
+            f"the .idx to {code} ({recorded}).")
+    use_meta = matches and not problems and not scan
+    if use_meta:
+        low, high, source = meta.get("min_token_id"), meta.get("max_token_id"), "sidecar"
+    else:
+        (low, high), source = scan_token_range(ds), "scan"
+        if matches and not problems and (low, high) != (meta.get("min_token_id"), meta.get("max_token_id")):
+            problems.append(f"{ds.bin_path} holds token ids {low}..{high} but {meta_file} records "
+                            f"{meta.get('min_token_id')}..{meta.get('max_token_id')}: the .bin was "
+                            f"changed after it was written. Re-create the pair with data_tools.preprocess.")
+    known_vocab = meta.get("vocab_size") if matches else None
+    if low is not None and low < 0:
+        problems.append(f"{ds.bin_path} holds negative token id {low} (read as {ds.dtype}, the "
+                        f"dtype code in {ds.idx_path}): the .idx dtype code is wrong (an int16 "
+                        f"index over uint16 data?) or the file is corrupt. Re-create the pair with "
+                        f"data_tools.preprocess.")
+    if vocab_size is not None and high is not None and high >= vocab_size:
+        need = max(high + 1, known_vocab or 0)
+        why = (f"the tokenizer's vocabulary, recorded in {meta_file}" if known_vocab
+               else "the largest id in the data + 1; use the vocabulary size of the tokenizer "
+                    "that made it")
+        problems.append(f"{ds.bin_path} holds token id {high} but {what}={vocab_size}: set "
+                        f"{what} to at least {need} ({why}), or preprocess the data with the "
+                        f"tokenizer the model is meant for.")
+    info = {"min": low, "max": high, "source": source, "vocab_size": known_vocab,
+            "meta": meta if matches else None}
+    return info, problems
+
+
+def check_token_ids(prefix, vocab_size: int) -> dict:
+    """Make sure every token id of the dataset at `prefix` fits a model vocabulary of
+    `vocab_size` (and none is negative) before training on it; cheap when the `.meta.json`
+    sidecar matches the pair, else one bounded-memory scan of the .bin. Raises
+    IndexedDatasetError naming the file, the value and the fix; returns
+    {"min", "max", "source" ("sidecar" or "scan"), "vocab_size" (recorded, or None), "meta"}."""
+    ds = IndexedDataset(prefix)
+    info, problems = token_id_report(ds, vocab_size)
+    if problems:
+        raise IndexedDatasetError(problems[0])
+    return info

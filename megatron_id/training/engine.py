@@ -37,9 +37,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..errors import UserError
-from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, parse_data_path
+from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, parse_data_path
 from ..model import LanguageModel
 from ..parallel import parallelize, state, vocab_parallel_cross_entropy
 from ..parallel.pipeline import pipeline_model, pipeline_state_dict
@@ -124,7 +124,11 @@ class Trainer:
     def _preflight(self) -> str | None:
         """Rank 0, before DeepSpeed starts: the checks that read files (data, checkpoint folders)
         and the lock on train.save. Returns the checkpoint root to resume from."""
-        t = self.cfg.train
+        t, d, m = self.cfg.train, self.cfg.data, self.cfg.model
+        if not d.data_path:
+            raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
+                              "(data.data_path=[data/my_corpus_text_document]).")
+        check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
         resume, note = check_save_and_load(t.save, t.load)
         if t.save:
             self.save_lock = SaveLock(t.save)   # held until close(): no second live run writes here
