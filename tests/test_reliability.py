@@ -249,8 +249,8 @@ def _kill_all(proc, workers):
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_timeout(fineweb_prefix, tmp_path):
     """SIGSTOP on rank 1 mid-run: rank 0's collective times out after
-    train.collective_timeout_minutes (here 15 s), it names rank 1 and exits non-zero, and
-    torchrun ends the job (it gives the stopped rank 30 s to handle SIGTERM, then SIGKILL)."""
+    train.collective_timeout_minutes (here 15 s); it names rank 1, kills it (it is on this
+    host; torchrun would give the stopped process 30 s more) and exits non-zero."""
     log = tmp_path / "log"
     items = train_items(fineweb_prefix, "train.train_tokens=1000000", "train.log_interval=1",
                         "train.global_batch_size=4", "train.collective_timeout_minutes=0.25")
@@ -266,9 +266,11 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(fineweb_prefix, tmp_path
         _kill_all(proc, workers)
     text = log.read_text()
     assert proc.returncode != 0
-    assert elapsed <= 15 + 30 + 10, elapsed   # 10 s: the step under way, exit and torchrun's polling
+    assert elapsed <= 15 + 30, elapsed
     assert "did not complete within train.collective_timeout_minutes=0.25 (15 s)" in text, text[-3000:]
     assert "Stopped responding: rank 1 (host" in text and "rank 0 (host" not in text, text[-3000:]
+    assert "killed (a stopped rank holds its launcher back)" in text
+    print(f"stopped rank: job ended {elapsed:.1f} s after the SIGSTOP")
 
 
 @pytest.mark.slow

@@ -204,10 +204,23 @@ class Heartbeat:
                     continue
                 t, _, host, pid = json.loads(self.store.get(key))
                 if now - t > 2 * self.period + 1:
-                    parts.append(f"rank {r} (host {host}, pid {pid}) silent for {now - t:.0f} s")
+                    part = f"rank {r} (host {host}, pid {pid}) silent for {now - t:.0f} s"
+                    if host == self.host and r != self.rank and _kill(pid):
+                        part += ", killed (a stopped rank holds its launcher back)"
+                    parts.append(part)
         except Exception:
             return ""
         return "; ".join(parts)
+
+
+def _kill(pid: int) -> bool:
+    """End a silent rank on this host: its launcher gives a stopped process 30 s to handle the
+    SIGTERM it cannot handle before it kills it (torchrun), or waits for the time limit."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
 
 
 def collective_timeout_error(err: BaseException, step: int, minutes: float, heartbeat) -> CollectiveTimeoutError:
