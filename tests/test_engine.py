@@ -239,10 +239,12 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(fineweb_prefix, tm
     assert record[1][0] == record[1][0] and record[3][0] == record[3][0]   # finite losses around
     assert skipped == 2 and finite is True
 
+    second = tmp_path / "second"   # a new run never writes into another run's history
+    items = [i for i in items if not i.startswith("train.save=")] + [f"train.save={second}"]
     record, skipped, error = run_distributed(_nonfinite, world, args=(items, {3, 4, 5}, 7), timeout=300)[0]
     assert len(record) == 5 and skipped == 3
     assert error.startswith("NonFiniteTrainingError: stopping at step 5: 3 steps in a row (3-5)"), error
-    assert f"Last good checkpoint: {tmp_path / 'iter_0000004'} (step 4)" in error
+    assert f"Last good checkpoint: {second / 'iter_0000004'} (step 4)" in error
 
 
 def _train_and_save(rank, world, items, path):
