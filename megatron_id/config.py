@@ -204,8 +204,20 @@ def load_config(files=(), overrides=()) -> Config:
         if "=" not in item:
             raise ConfigError(f"command-line override '{item}' is not of the form key=value "
                               f"(for example model.mixer=softmax).")
-        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override '{item}'")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([_as_list_override(item)]), f"override '{item}'")
     return resolve(OmegaConf.to_object(cfg))
+
+
+LIST_KEYS = ("data.data_path",)
+
+
+def _as_list_override(item: str) -> str:
+    """Megatron's habit `--data-path PREFIX` (or 'W1 P1 W2 P2'): a plain value for a list key
+    becomes the list, split at whitespace (`data.data_path=data/x_text_document`)."""
+    key, value = item.split("=", 1)
+    if key.strip() in LIST_KEYS and value.strip() and not value.lstrip().startswith("["):
+        return f"{key}=[{', '.join(value.split())}]"
+    return item
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:

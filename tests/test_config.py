@@ -76,3 +76,12 @@ def test_cli_params(capsys):
     assert "134,105,856" in capsys.readouterr().out
     assert main(["params", "--config", str(MODEL / "125m.yaml"), "model.heads=3"]) == 2
     assert "unknown config key 'model.heads'" in capsys.readouterr().err
+
+
+def test_a_plain_data_path_override_becomes_a_list():
+    """Megatron users write --data-path PREFIX or 'W1 P1 W2 P2' without brackets."""
+    from megatron_id.config import load_config
+    assert load_config([], ["data.data_path=data/x_text_document"]).data.data_path == ["data/x_text_document"]
+    assert load_config([], ["data.data_path=0.3 data/a 0.7 data/b"]).data.data_path == \
+        ["0.3", "data/a", "0.7", "data/b"]
+    assert load_config([], ["data.data_path=[data/y]"]).data.data_path == ["data/y"]
