@@ -23,7 +23,15 @@ to `<save>/.incomplete/<tag>` first, is renamed into place when every rank has w
 then is `latest` replaced (atomically): a kill at any moment leaves `latest` on a complete
 checkpoint. The last `train.keep_last` are kept. SIGTERM and SIGUSR1 (SLURM preemption,
 `#SBATCH --signal=USR1@120`) finish the current step, save and exit. Loading at another TP/PP/DP
-layout re-shards the weights (train.load_optimizer=false; see checkpoint.py).
+layout re-shards the weights (train.load_optimizer=false; see checkpoint.py). Each save ends
+with manifest.json (size and sha256 of every file, hashed by all ranks in parallel), written
+before the commit; a load verifies every file first and names a damaged one.
+
+Before DeepSpeed starts, rank 0 checks what reads files (the data: token ids against the
+vocabulary, splits; the train.save / train.load rules of checkpoint.check_save_and_load), takes
+the lock on train.save and removes staging folders of killed saves; every rank then raises the
+same error, or goes on. A collective that times out (train.collective_timeout_minutes) ends
+the run with the ranks that stopped responding named (distributed.Heartbeat).
 """
 from __future__ import annotations
 
@@ -155,10 +163,7 @@ class Trainer:
                                                state.get_data_parallel_rank(), self.layout.data))
 
     def _datasets(self):
-        d = self.cfg.data
-        if not d.data_path:
-            raise ValueError("data.data_path is empty: give a preprocessed dataset prefix "
-                             "(data.data_path=[data/my_corpus_text_document]).")
+        d = self.cfg.data   # checked by _preflight
         cache = d.index_cache_dir or str(Path(parse_data_path(d.data_path)[0][1]).parent / "index-cache")
         n_train = self.layout.train_iters * self.layout.global_batch_size
         evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
