@@ -1,0 +1,114 @@
+"""`megatron-id plan` (training/plan.py): the layouts it lists are exactly the engine's, its
+state terms are exact parameter counts x bytes, and its marks and recommendation are consistent.
+No training here: the calibration against measured memory is benchmarks/plan_memory.py."""
+import copy
+import json
+import math
+
+from conftest import CONFIGS
+from megatron_id.cli import main
+from megatron_id.config import ConfigError, load_config
+from megatron_id.model.accounting import count_parameters
+from megatron_id.training.layout import training_layout
+from megatron_id.training.plan import GiB, accepted_layouts, estimate, parse_size, plan, stage_parameters
+
+SMALL = CONFIGS / "model" / "125m.yaml"   # 12 heads and 12 layers: TP=8 and PP=8 are refused
+
+
+def test_accepted_layouts_are_exactly_the_ones_training_layout_accepts():
+    world, base = 8, ["train.global_batch_size=16"]
+    cfg = load_config([SMALL], base)
+    planned = {(tp, pp, zero, mb) for tp, pp, zero, mb, _ in accepted_layouts(cfg, world, max_micro_batch=16)}
+    brute = set()
+    for tp in range(1, world + 1):
+        for pp in range(1, world + 1):
+            for zero in range(4):
+                for mb in (1, 2, 4, 8, 16):
+                    trial = copy.deepcopy(cfg)   # (load_config per trial: minutes for 1,280)
+                    trial.parallel.tensor_model_parallel_size = tp
+                    trial.parallel.pipeline_model_parallel_size = pp
+                    trial.train.zero_stage, trial.train.micro_batch_size = zero, mb
+                    try:
+                        training_layout(trial, world)
+                    except ConfigError:
+                        continue
+                    brute.add((tp, pp, zero, mb))
+    assert planned == brute
+    assert not any(tp == 8 or pp == 8 or zero == 3 or (pp > 1 and zero == 2) for tp, pp, zero, _ in planned)
+    assert (1, 1, 2, 2) in planned and (2, 2, 1, 1) in planned
+
+
+def _estimate(items, world, zero, checkpointing=False, memory=80 * GiB):
+    cfg = load_config([SMALL], items + [f"train.zero_stage={zero}"])
+    return estimate(cfg, training_layout(cfg, world), zero, memory, checkpointing=checkpointing)
+
+
+def test_weights_gradients_and_optimizer_are_exact_parameter_counts_times_bytes():
+    cfg = load_config([SMALL])
+    n = count_parameters(cfg.model)
+    e = _estimate([], 1, zero=0)
+    assert e.parameters_per_gpu == n
+    assert (e.weights, e.gradients, e.optimizer, e.zero_buffers) == (4 * n, 4 * n, 8 * n, 0)
+    for pp in (2, 3, 4):   # the stages together hold the whole model exactly once
+        assert sum(stage_parameters(cfg, 1, pp)) == n
+
+
+def test_zero_partitions_the_optimizer_state_over_data_parallel_ranks():
+    n = count_parameters(load_config([SMALL]).model)
+    for dp in (2, 4, 8):
+        z0, z1, z2 = (_estimate(["train.global_batch_size=64"], dp, zero) for zero in (0, 1, 2))
+        assert z0.optimizer == 8 * n
+        assert z1.optimizer == z2.optimizer == 8 * math.ceil(n / dp)
+        assert z1.gradients == 4 * n and z2.gradients == 4 * math.ceil(n / dp)
+        # DeepSpeed's fp32 partition copy and its gradient, plus the 5e8-element bucket
+        assert z1.zero_buffers == 8 * math.ceil(n / dp) + 4 * 500_000_000
+
+
+def test_activation_checkpointing_lowers_the_activation_term():
+    for mixer in ("interdomain", "softmax", "s4d"):
+        plain = _estimate([f"model.mixer={mixer}"], 1, 0)
+        ckpt = _estimate([f"model.mixer={mixer}"], 1, 0, checkpointing=True)
+        assert 0 < ckpt.activations < plain.activations
+        assert ckpt.weights == plain.weights
+
+
+def test_fits_means_total_within_the_margin_and_too_small_gpus_fit_nothing():
+    cfg = load_config([SMALL], ["train.global_batch_size=16"])
+    estimates = plan(cfg, 8, 24 * GiB, margin=0.1, max_micro_batch=16)
+    assert all(e.fits == (e.total <= 0.9 * 24 * GiB) for e in estimates)
+    assert any(e.fits for e in estimates) and not all(e.fits for e in estimates)
+    assert not any(e.fits for e in plan(cfg, 8, 2 * GiB, max_micro_batch=4))
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == parse_size("80GB") == 80 * GiB
+    assert parse_size("512MiB") == 512 * 2 ** 20
+
+
+def test_cli_json_parses(capsys):
+    assert main(["plan", "--config", str(SMALL), "--nodes", "1", "--gpus-per-node", "4",
+                 "--gpu-memory", "40GiB", "--max-micro-batch", "4", "--json",
+                 "train.global_batch_size=16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layouts"] and {"tensor", "pipe", "data", "zero_stage", "total", "fits",
+                               "comm_total"} <= set(out["layouts"][0])
+    assert out["recommended"]["fits"]
+
+
+def test_cli_recommends_a_layout_that_fits_for_1p3b_on_4_x_8_x_80gib(capsys):
+    assert main(["plan", "--config", str(CONFIGS / "model" / "1p3b.yaml"), "--nodes", "4",
+                 "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--top", "5"]) == 0
+    text = capsys.readouterr().out
+    line = [x for x in text.splitlines() if x.startswith("recommended:")]
+    assert line and "fits" in line[0]
+    assert "FITS" in text.splitlines()[2]   # the first row is the recommended one
+
+
+def test_cli_fails_when_nothing_fits_and_on_bad_sizes(capsys):
+    """An empty plan is not a success; impossible cluster sizes are one-line errors."""
+    assert main(["plan", "--config", str(CONFIGS / "model" / "1p3b.yaml"), "--nodes", "1",
+                 "--gpus-per-node", "1", "--gpu-memory", "1GiB", "--top", "1"]) == 1
+    assert "no layout fits" in capsys.readouterr().err
+    assert main(["plan", "--config", str(SMALL), "--nodes", "0", "--gpus-per-node", "4",
+                 "--gpu-memory", "40GiB"]) == 2
+    assert "--nodes 0: must be at least 1" in capsys.readouterr().err.strip().splitlines()[-1]
