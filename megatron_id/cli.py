@@ -99,7 +99,7 @@ def cmd_check_checkpoint(args) -> int:
     elif args.all:
         folders = sorted(p for p in root.glob("iter_*") if p.is_dir())
     else:
-        folders = [latest_folder(root)] if latest_folder(root) is not None else []
+        folders = [f for f in [latest_folder(root)] if f is not None]
     if not folders:
         raise CheckpointError(f"{root} holds no checkpoint (no `latest`, no iter_ folder): give a train.save "
                               f"folder or an iter_XXXXXXX folder.")

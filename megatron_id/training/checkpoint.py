@@ -135,19 +135,36 @@ def read_manifest(folder: Path) -> dict | None:
                               f"re-save.") from None
 
 
-_unverified_warned: set = set()
+# Folders this process need not check again: every file was verified (Trainer._verify, all ranks
+# together, just before loading), or the folder has no manifest and that was said once. Keyed
+# with the manifest's mtime, so a folder written anew under the same name is checked again.
+_settled: set = set()
+
+
+def _settled_key(folder: Path):
+    manifest = folder / MANIFEST
+    return folder.resolve(), manifest.stat().st_mtime_ns if manifest.exists() else None
+
+
+def mark_settled(folder: Path) -> None:
+    _settled.add(_settled_key(Path(folder)))
+
+
+def warn_unverified(folder: Path) -> None:
+    print(f"warning: {folder} has no {MANIFEST} (saved before checkpoints carried one): "
+          f"its files are not verified", file=sys.stderr, flush=True)
 
 
 def verify_file(folder: Path, name: str, manifest: dict | None = "read") -> None:
     """Check one file of a checkpoint folder against its manifest (size, then sha256)."""
     folder = Path(folder)
+    if _settled_key(folder) in _settled:
+        return
     manifest = read_manifest(folder) if manifest == "read" else manifest
     path = folder / name
     if manifest is None:
-        if folder not in _unverified_warned:
-            _unverified_warned.add(folder)
-            print(f"warning: {folder} has no {MANIFEST} (saved before checkpoints carried one): "
-                  f"its files are not verified", file=sys.stderr, flush=True)
+        warn_unverified(folder)
+        mark_settled(folder)
         return
     entry = manifest.get(name)
     if entry is None:

@@ -53,10 +53,10 @@ from ..parallel import parallelize, state, vocab_parallel_cross_entropy
 from ..parallel.pipeline import pipeline_model, pipeline_state_dict
 from ..parallel.tensor_parallel import split_state_dict
 from .checkpoint import (CheckpointError, SaveLock, check_save_and_load, checkpoint_files, commit,
-                         cross_layout_error, describe, latest_folder, layout_record, manifest_entries,
+                         cross_layout_error, describe, latest_folder, layout_record, manifest_entries, mark_settled,
                          model_config_dict, optimizer_state_loadable, read_client_state, read_manifest,
                          read_model_state, remove_stale_staging, rng_state, set_rng_state, verify_checkpoint,
-                         write_client_state, write_manifest)
+                         warn_unverified, write_client_state, write_manifest)
 from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
                           local_device_index, uses_cuda)
 from .layout import deepspeed_config, training_layout
@@ -375,13 +375,13 @@ class Trainer:
         dist.all_gather_object(gathered, problems)
         problems = [p for part in gathered for p in part]
         if manifest is None and rank == 0:
-            print(f"warning: {folder} has no manifest.json (saved before checkpoints carried one): "
-                  f"its files are not verified", file=sys.stderr, flush=True)
+            warn_unverified(folder)
         if problems:
             err = CheckpointError(problems[0] + (f" ({len(problems) - 1} more damaged files: see "
                                                  f"megatron-id check-checkpoint {folder})" if len(problems) > 1 else ""))
             err.same_on_every_rank = True
             raise err
+        mark_settled(folder)   # reading its files next (client state, shards) does not hash them again
 
     @staticmethod
     def _prune(root: Path, keep: int, current: str) -> None:
