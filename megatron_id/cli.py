@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import asdict
 
@@ -55,6 +56,11 @@ def cmd_params(args) -> int:
 
 
 def cmd_train(args) -> int:
+    # SIGTERM / SIGUSR1 during the minutes of imports and setup must not kill the rank (their
+    # default action): note them, and the trainer stops at its first step boundary
+    early_stop = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: early_stop.append(signum))
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     import warnings
     # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
@@ -67,6 +73,7 @@ def cmd_train(args) -> int:
     trainer = None
     try:
         trainer = Trainer(cfg)
+        trainer.stop_requested = bool(early_stop)
         trainer.train()
         if dist.get_rank() == 0:
             t = cfg.train
@@ -216,6 +223,20 @@ def cmd_plan(args) -> int:
     return 1
 
 
+def cmd_job_prepare(args) -> int:
+    """For launch/slurm/train.sbatch: resolve and record the config, check the layout against
+    the job's tasks, print key=value lines for the script (training/job.py)."""
+    from .training.job import prepare, shell_lines
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    parsed = argparse.ArgumentParser(prog="megatron-id train", allow_abbrev=False)
+    _add_config_args(parsed)
+    parsed = parsed.parse_args(train_args)
+    values = prepare(args.run_dir, parsed.config, parsed.overrides, world_size=args.world_size,
+                     job_id=args.job_id, attempt=args.attempt)
+    sys.stdout.write(shell_lines(values))
+    return 0
+
+
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -274,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--tokenizer")
     g.set_defaults(func=cmd_generate)
+    j = sub.add_parser("job-prepare", allow_abbrev=False,
+                       help="(for job scripts) resolve, record and check a training config before srun")
+    j.add_argument("--run-dir", required=True)
+    j.add_argument("--world-size", type=int, required=True)
+    j.add_argument("--job-id", required=True)
+    j.add_argument("--attempt", type=int, default=0)
+    j.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then megatron-id train's arguments")
+    j.set_defaults(func=cmd_job_prepare)
     pl = sub.add_parser("plan", help="memory and communication per GPU of every layout; recommends one",
                         allow_abbrev=False)
     _add_config_args(pl)

@@ -104,9 +104,24 @@ def init_distributed_from_env(timeout_minutes: float = 10.0) -> None:
     backend = "nccl" if uses_cuda() else "gloo"
     if backend == "nccl":   # before the group: NCCL binds each rank's communicator to this device
         torch.cuda.set_device(local_device_index())
+    if backend == "gloo":
+        skip_deepspeed_shm_build()
     timeout = timedelta(minutes=timeout_minutes)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     set_default_group_timeout(timeout)
+
+
+def skip_deepspeed_shm_build() -> None:
+    """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce at
+    start. Training never uses it (torch.distributed's gloo all-reduce does the work; the shm
+    kernel serves DeepSpeed's inference all-reduce), the build takes tens of seconds on a fresh
+    machine, and a rank killed during it leaves torch's build lock behind: every later start on
+    that machine then waits on the lock forever. So it is not built."""
+    import importlib
+    # (`import deepspeed.comm.torch` would give torch itself: deepspeed.comm re-exports it)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_torch, "build_shm_op"):
+        ds_torch.build_shm_op = lambda: None
 
 
 def set_default_group_timeout(timeout: timedelta) -> None:

@@ -1,0 +1,67 @@
+"""What a batch job (launch/slurm/train.sbatch) settles before it starts any rank.
+
+`megatron-id job-prepare --run-dir D --world-size N --job-id J --attempt A -- <train arguments>`
+resolves the config the ranks will train with, fills in the job defaults, records the resolved
+config, checks the layout against the job's task count, and prints what the job script needs
+as `key=value` lines:
+
+    override=train.save=D/checkpoints      (only when train.save is unset)
+    override=train.load=D/checkpoints      (only when train.load is unset: resume from `latest`)
+    save=...  config_record=...  tensor=2 pipe=1 data=2  step=40  train_iters=96
+
+Defaults for jobs [our choice, Megatron's habit]: checkpoints go to `<run dir>/checkpoints`,
+and `train.load` is `train.save`, so a requeued or chained job resumes from `latest` with the
+same command; a first run finds no checkpoint there and starts from scratch. A config or
+layout error is reported here, once, before srun starts a process per GPU.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from ..config import load_config, to_yaml
+from .checkpoint import latest_folder
+from .layout import training_layout
+
+
+def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, world_size: int,
+            job_id: str, attempt: int) -> dict:
+    run_dir = Path(run_dir)
+    cfg = load_config(config_files, overrides)
+    extra = []
+    save = cfg.train.save
+    if not save:
+        save = str(run_dir / "checkpoints")
+        extra.append(f"train.save={save}")
+    if not cfg.train.load:
+        extra.append(f"train.load={save}")
+    cfg = load_config(config_files, [*overrides, *extra])
+    layout = training_layout(cfg, world_size)
+    latest = latest_folder(save)
+    step = int(latest.name.removeprefix("iter_")) if latest is not None else 0
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    record = logs / f"{job_id}.{attempt}.config.yaml"
+    tmp = record.with_name(record.name + f".tmp-{os.getpid()}")
+    arguments = [a for f in config_files for a in ("--config", f)] + [*overrides, *extra]
+    tmp.write_text(f"# SLURM job {job_id}, attempt {attempt}: the resolved config of\n"
+                   f"# megatron-id train {shlex.join(arguments)}\n" + to_yaml(cfg))
+    os.replace(tmp, record)
+    return {"override": extra, "save": save, "load": cfg.train.load, "config_record": str(record),
+            "tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data,
+            "micro_batch": layout.micro_batch_size, "accumulation": layout.gradient_accumulation,
+            "step": step, "train_iters": layout.train_iters, "mixer": cfg.model.mixer.value,
+            "model": f"d_model={cfg.model.d_model} n_layers={cfg.model.n_layers}"}
+
+
+def shell_lines(values: dict) -> str:
+    """One `key=value` line per value (a list gives one line per item); values hold no newline."""
+    lines = []
+    for key, value in values.items():
+        for item in value if isinstance(value, list) else [value]:
+            text = str(item)
+            if "\n" in text:
+                raise ValueError(f"{key}={text!r} holds a newline, which the job script cannot read")
+            lines.append(f"{key}={text}")
+    return "\n".join(lines) + "\n"
