@@ -59,6 +59,11 @@ def run_guarded(prog: str, body, debug: bool = False) -> int:
     debug = debug or os.environ.get("MEGATRON_ID_DEBUG", "") not in ("", "0")
     try:
         return body()
+    except BrokenPipeError:
+        # the reader of our output went away (`... | head`): what it wanted was printed; no
+        # error line, and stdout is pointed at /dev/null so the exit does not fail on a flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except UserError as err:
         status, message, everywhere = 2, str(err), err.same_on_every_rank
     except OSError as err:

@@ -211,10 +211,32 @@ class SlurmCluster:
                 return info
             if until is None and info.get("JobState") in ended:
                 return info
+            # a job whose dependency failed stays PENDING forever (unless --kill-on-invalid-dep)
+            if until is None and info.get("Reason") == "DependencyNeverSatisfied":
+                return info
             time.sleep(0.3)
         self.run("scancel", job_id, check=False)
         raise TimeoutError(f"job {job_id} did not {'reach the condition' if until else 'end'} within "
                            f"{timeout:.0f} s; last state: {info.get('JobState')}")
+
+
+def cluster_for_tests(root: Path, nodes: int = 2, cpus_per_node: int = 2):
+    """A pytest fixture's body: yields a started cluster and stops it afterwards, whatever
+    happens. Where SLURM cannot be installed or started: a failure under CI (CI=true), a skip
+    with the reason elsewhere."""
+    import pytest
+    cluster = SlurmCluster(root, nodes=nodes, cpus_per_node=cpus_per_node)
+    try:
+        cluster.__enter__()   # stops whatever it started when it fails
+    except (SlurmUnavailable, OSError, subprocess.SubprocessError, TimeoutError) as err:
+        reason = f"no SLURM cluster could be started here: {err}"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        yield cluster
+    finally:
+        cluster.__exit__(None, None, None)
 
 
 def _read_pid(path: Path) -> int | None:

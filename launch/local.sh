@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Training on one machine with several GPUs (or CPU processes): the local twin of
+# launch/slurm/train.sbatch. The arguments are exactly those of `megatron-id train`:
+#
+#   bash launch/local.sh --config configs/model/125m.yaml data.data_path=[...] ...
+#   NPROC=2 MEGATRON_ID_DEVICE=cpu bash launch/local.sh --config configs/model/tiny.yaml ...
+#
+# Same run folder as the job script (MEGATRON_ID_RUN_DIR, default runs/local-<date-time>):
+#   logs/<id>.out  logs/<id>.0.config.yaml  checkpoints/ (train.save unless set)
+# and train.load defaults to train.save, so running the same command again with the same
+# MEGATRON_ID_RUN_DIR resumes from `latest`. The config and the layout are checked once
+# before any process starts.
+#
+# Environment: NPROC (processes; default: the number of visible GPUs, or 2 on CPU),
+# MEGATRON_ID_DEVICE (gpu: default when a GPU is visible; cpu), MEGATRON_ID_PYTHON (python3),
+# MEGATRON_ID_RUN_DIR; OMP_NUM_THREADS and NCCL_* as exported.
+# To stop with a checkpoint, send SIGTERM or SIGUSR1 to the training processes
+# (`pkill -USR1 -f "megatron_id.cli train"`): each finishes its step, saves and exits.
+set -uo pipefail
+
+PYTHON="${MEGATRON_ID_PYTHON:-python3}"
+ID="local-$(date +%Y%m%d-%H%M%S)-$$"
+RUN_DIR="$(realpath -m "${MEGATRON_ID_RUN_DIR:-runs/$ID}")"
+LOGS="$RUN_DIR/logs"
+
+say() { echo "[megatron-id $ID $(date +%FT%T)] $*"; }
+die() { say "error: $*" >&2; exit "${2:-2}"; }
+
+gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" \
+    || die "$PYTHON cannot import torch: activate the environment megatron_id is installed in, or set MEGATRON_ID_PYTHON"
+DEVICE="${MEGATRON_ID_DEVICE:-$([[ "$gpus" -gt 0 ]] && echo gpu || echo cpu)}"
+case "$DEVICE" in
+    gpu)
+        [[ "$gpus" -gt 0 ]] || die "MEGATRON_ID_DEVICE=gpu but torch sees no GPU"
+        NPROC="${NPROC:-$gpus}"
+        export NCCL_DEBUG="${NCCL_DEBUG:-WARN}" TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+        ;;
+    cpu)
+        NPROC="${NPROC:-2}"
+        export DS_ACCELERATOR=cpu
+        ;;
+    *) die "MEGATRON_ID_DEVICE=$DEVICE: use gpu or cpu" ;;
+esac
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "NPROC=$NPROC: give a positive number of processes"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
+
+mkdir -p "$LOGS" || die "cannot create the run folder $LOGS (MEGATRON_ID_RUN_DIR)"
+prepared="$LOGS/$ID.prepare"
+"$PYTHON" -m megatron_id.cli job-prepare --run-dir "$RUN_DIR" --world-size "$NPROC" \
+    --job-id "$ID" --attempt 0 -- "$@" >"$prepared"
+status=$?
+[[ $status -eq 0 ]] || die "the training arguments were refused (above); nothing was started" "$status"
+extra=()
+declare -A job
+while IFS= read -r line; do
+    case "$line" in
+        override=*) extra+=("${line#override=}") ;;
+        *=*) job["${line%%=*}"]="${line#*=}" ;;
+    esac
+done <"$prepared"
+
+{
+    say "run folder $RUN_DIR; $NPROC process(es) on $(hostname) ($DEVICE)"
+    say "${job[mixer]} ${job[model]}: TP=${job[tensor]} PP=${job[pipe]} DP=${job[data]}, micro-batch ${job[micro_batch]} x ${job[accumulation]} accumulation, about ${job[memory_gib]} GiB per GPU (megatron-id plan's estimate); step ${job[step]} of ${job[train_iters]}"
+    if [[ "${job[step]}" -gt 0 ]]; then say "resuming from ${job[save]}/latest (step ${job[step]})"; else say "starting from scratch; checkpoints go to ${job[save]}"; fi
+    say "config ${job[config_record]}; log $LOGS/$ID.out"
+} | tee -a "$LOGS/$ID.out"
+if [[ "${job[step]}" -ge "${job[train_iters]}" ]]; then
+    say "finished already: step ${job[step]} of ${job[train_iters]}; nothing to do" | tee -a "$LOGS/$ID.out"
+    exit 0
+fi
+
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    -m megatron_id.cli train "$@" "${extra[@]}" 2>&1 | tee -a "$LOGS/$ID.out"
+status=${PIPESTATUS[0]}
+if [[ $status -ne 0 ]]; then
+    say "training failed (exit $status); the log is $LOGS/$ID.out" | tee -a "$LOGS/$ID.out" >&2
+fi
+exit "$status"
