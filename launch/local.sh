@@ -41,6 +41,7 @@ case "$DEVICE" in
         ;;
     *) die "MEGATRON_ID_DEVICE=$DEVICE: use gpu or cpu" ;;
 esac
+export MEGATRON_ID_DEVICE="$DEVICE"   # (job-prepare: the memory estimate of this device)
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "NPROC=$NPROC: give a positive number of processes"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
 

@@ -117,7 +117,7 @@ class SlurmCluster:
         subprocess.run(["slurmctld", "-f", str(self.conf), "-c"], env=self.env, check=True, timeout=30)
         for name in self.node_names:
             subprocess.run(["slurmd", "-f", str(self.conf), "-N", name], env=self.env, check=True, timeout=30)
-        _wait_for(self._all_idle, timeout, "every emulated node to be idle", self.root / "slurmctld.log")
+        self.wait_until_idle(timeout)
 
     def _slurm_conf(self, ctl_port: int, node_ports: list[int]) -> str:
         r = self.root
@@ -146,6 +146,9 @@ class SlurmCluster:
                          f"CPUs={self.cpus_per_node} RealMemory=4000")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         return "\n".join(lines) + "\n"
+
+    def wait_until_idle(self, timeout: float) -> None:
+        _wait_for(self._all_idle, timeout, "every emulated node to be idle", self.root / "slurmctld.log")
 
     def _all_idle(self) -> bool:
         out = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], env=self.env,

@@ -1,5 +1,7 @@
 """The DeepSpeed training loop: equal losses across TP x PP x DP layouts and ZeRO stages, exact
 resume, checkpoints that load at another layout, non-finite steps skipped (issue 5)."""
+import re
+
 import pytest
 
 from conftest import CONFIGS, ROOT
@@ -126,6 +128,8 @@ def test_megatron_id_train_under_torchrun_logs_to_tensorboard(fineweb_prefix, tm
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"step {STEPS}/{STEPS} [{'#' * 20}] 100% | loss" in done.stderr and "MFU" in done.stderr
     assert "TP=1 PP=1 DP=2 ZeRO-1 | global batch 4 x 64 tokens" in done.stderr   # the header
+    planned = float(re.search(r"\| planned memory ([\d.]+) GiB per rank \(megatron-id plan\)", done.stderr).group(1))
+    assert 0.01 < planned < 2, planned   # the tiny model at this layout, no CUDA overhead on CPU
     assert f"checkpoint: {tmp_path / 'ckpt'}" in done.stderr
     assert (tmp_path / "ckpt" / "latest").read_text() == f"iter_{STEPS:07d}"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

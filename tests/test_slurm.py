@@ -157,6 +157,11 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(uninterrupted, cluster, f
     wait_for_text(cluster, run, job, "step 4/")
     cluster.run("scancel", "--batch", "--signal=USR1", job)
     info = cluster.wait(job, timeout=120, until=lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
+    # SLURM's hold lets the nodes finish the first attempt: a restart within the second of the
+    # requeue is refused by the nodes ("Job credential revoked") and fails the job. Wait for
+    # idle nodes and a clock tick, as the hold would, then let it start.
+    cluster.wait_until_idle(timeout=60)
+    time.sleep(2)
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait(job, timeout=240)
     log = job_log(run, job)

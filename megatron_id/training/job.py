@@ -21,13 +21,40 @@ import shlex
 from pathlib import Path
 
 from ..config import load_config, to_yaml
+from ..errors import UserError
 from .checkpoint import latest_folder
 from .layout import training_layout
 
 
+class JobLayoutError(UserError):
+    """The job's tasks do not match its GPUs (one task per GPU)."""
+
+
+def check_one_task_per_gpu(env: dict) -> None:
+    """On GPU nodes a rank drives the GPU its local rank names: fewer tasks than GPUs per node
+    leaves GPUs idle for the whole allocation, more puts two ranks on one GPU (NCCL refuses).
+    SLURM_GPUS_ON_NODE is set when the job asked for GPUs (--gpus-per-node, --gres=gpu:N)."""
+    gpus = env.get("SLURM_GPUS_ON_NODE", "")
+    tasks = env.get("SLURM_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    if not gpus.isdigit() or not tasks.isdigit() or int(gpus) == 0:
+        return
+    gpus, tasks = int(gpus), int(tasks)
+    if tasks != gpus:
+        what = (f"{gpus - tasks} of the {gpus} GPUs per node would stay idle" if tasks < gpus
+                else f"{tasks - gpus} GPU(s) per node would hold two ranks")
+        raise JobLayoutError(
+            f"the job has {tasks} task(s) and {gpus} GPU(s) per node: {what}. One task per GPU: "
+            f"sbatch --ntasks-per-node={gpus} --gpus-per-node={gpus} (or MEGATRON_ID_DEVICE=cpu "
+            f"for a CPU run).")
+
+
 def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, world_size: int,
-            job_id: str, attempt: int) -> dict:
+            job_id: str, attempt: int, env: dict | None = None) -> dict:
     run_dir = Path(run_dir)
+    env = dict(os.environ) if env is None else env
+    on_gpu = env.get("MEGATRON_ID_DEVICE", "gpu") == "gpu"
+    if on_gpu:
+        check_one_task_per_gpu(env)
     cfg = load_config(config_files, overrides)
     extra = []
     save = cfg.train.save
@@ -39,8 +66,10 @@ def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, wor
     cfg = load_config(config_files, [*overrides, *extra])
     layout = training_layout(cfg, world_size)
     from .plan import GiB, estimate
+    # the planner's estimate, as Metrics.header prints it (CPU: no CUDA overhead)
     memory = estimate(cfg, layout, cfg.train.zero_stage, float("inf"),
-                      checkpointing=cfg.train.activation_checkpointing)
+                      checkpointing=cfg.train.activation_checkpointing,
+                      overhead=2 * GiB if on_gpu else 0, touched_only=not on_gpu)
     latest = latest_folder(save)
     step = int(latest.name.removeprefix("iter_")) if latest is not None else 0
     logs = run_dir / "logs"

@@ -55,8 +55,20 @@ class Metrics:
         print(f"training {m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} ({r.parameters:,} parameters) | "
               f"TP={lay.tensor} PP={lay.pipe} DP={lay.data} ZeRO-{cfg.train.zero_stage} | global batch "
               f"{lay.global_batch_size} x {m.seq_length} tokens = micro-batch {lay.micro_batch_size} x "
-              f"{lay.gradient_accumulation} accumulation x {lay.data} DP | steps {start_step + 1}-{lay.train_iters}",
+              f"{lay.gradient_accumulation} accumulation x {lay.data} DP | steps {start_step + 1}-{lay.train_iters} | "
+              f"planned memory {self._planned_gib(cfg):.1f} GiB per rank (megatron-id plan)",
               file=sys.stderr, flush=True)
+
+    def _planned_gib(self, cfg) -> float:
+        """The planner's estimate for this layout, to compare with the `mem` column (on a GPU it
+        includes the planner's assumed 2 GiB of CUDA context and NCCL buffers, on CPU not)."""
+        from .distributed import uses_cuda
+        from .plan import GiB, estimate
+        return estimate(cfg, self.layout, cfg.train.zero_stage, float("inf"),
+                        checkpointing=cfg.train.activation_checkpointing,
+                        overhead=2 * GiB if uses_cuda() else 0,
+                        # CPU pages of ZeRO's reduction bucket count only once written
+                        touched_only=not uses_cuda()).total / GiB
 
     def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int, skipped: int = 0) -> dict:
         now = time.time()
