@@ -75,10 +75,11 @@ def optimizer_state_loadable(saved: dict, current: dict) -> bool:
 def cross_layout_error(path: Path, saved: dict, current: dict) -> ConfigError:
     return ConfigError(
         f"checkpoint {path} was saved at {describe(saved)}; this run is {describe(current)}. "
-        f"The weights can be re-sharded to this layout but the optimizer state cannot (DeepSpeed "
-        f"partitions it by the saving layout). Set train.load_optimizer=false to load the weights "
-        f"with fresh optimizer state (the step, data position and LR schedule continue), or "
-        f"run at the saved layout to resume exactly.")
+        f"The weights can be re-sharded to this layout but its optimizer state cannot: DeepSpeed "
+        f"partitions it by the saving layout, and the checkpoint has no re-shardable copy "
+        f"(optim/, written by runs with train.reshardable_optimizer=true). Set "
+        f"train.load_optimizer=false to load the weights with fresh optimizer state (the step, "
+        f"data position and LR schedule continue), or run at the saved layout to resume exactly.")
 
 
 CLIENT_STATE = "client_state.pt"

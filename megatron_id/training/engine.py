@@ -58,9 +58,10 @@ from .checkpoint import (CheckpointError, SaveLock, check_save_and_load, checkpo
                          read_model_state, remove_stale_staging, rng_state, set_rng_state, verify_checkpoint,
                          warn_unverified, write_client_state, write_manifest)
 from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
-                          local_device_index, uses_cuda)
+                          local_device_index, skip_deepspeed_shm_build, uses_cuda)
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
+from . import reshardable
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
 
 
@@ -76,6 +77,8 @@ class Trainer:
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed first (torchrun, srun or "
                                "deepspeed.init_distributed).")
+        if dist.get_backend() == "gloo":
+            skip_deepspeed_shm_build()   # (distributed.py says why)
         deepspeed.init_distributed(dist_backend=dist.get_backend())   # adopts the existing group
         self.cfg = cfg
         self.layout = training_layout(cfg, dist.get_world_size())   # all checks before any work
@@ -341,6 +344,8 @@ class Trainer:
                   "tokenizer": str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
                   "rng": rng_state()}
         self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
+        if self.cfg.train.reshardable_optimizer:
+            reshardable.save(self, staging / tag)
         if rank0:
             write_client_state(staging / tag, client)
         dist.barrier()   # every rank's files are written
@@ -412,6 +417,11 @@ class Trainer:
                                                     load_lr_scheduler_states=False)
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}.")
+        elif self.cfg.train.load_optimizer and reshardable.has_reshardable_state(path):
+            reshardable.load(self, path)
+            if dist.get_rank() == 0:
+                print(f"loaded {path} (saved at {describe(saved)}) into {describe(current)} with its "
+                      f"optimizer state, re-sharded", file=sys.stderr, flush=True)
         elif self.cfg.train.load_optimizer:
             raise cross_layout_error(path, saved, current)
         else:
