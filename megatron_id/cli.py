@@ -237,6 +237,16 @@ def cmd_job_prepare(args) -> int:
     return 0
 
 
+def cmd_convert_checkpoint(args) -> int:
+    """Add the re-shardable optimizer state to a checkpoint written without it (ZeRO-1/2), in a
+    new folder: it then resumes WITH its optimizer state at any layout (training/reshardable.py)."""
+    from .training.reshardable import FOLDER, convert
+    folder = convert(args.input, args.output)
+    print(f"{folder}: the checkpoint of {args.input} with its optimizer state per parameter in "
+          f"{folder / FOLDER}; train from it at any layout with train.load={args.output}")
+    return 0
+
+
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -295,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--tokenizer")
     g.set_defaults(func=cmd_generate)
+    cc = sub.add_parser("convert-checkpoint", allow_abbrev=False,
+                        help="copy a ZeRO-1/2 checkpoint with its optimizer state made loadable at any layout")
+    cc.add_argument("--input", required=True, help="train.save folder (its latest) or iter_ folder")
+    cc.add_argument("--output", required=True, help="a new folder (a train.save folder for train.load)")
+    cc.set_defaults(func=cmd_convert_checkpoint)
     j = sub.add_parser("job-prepare", allow_abbrev=False,
                        help="(for job scripts) resolve, record and check a training config before srun")
     j.add_argument("--run-dir", required=True)

@@ -3,7 +3,11 @@
 continue at (1, 1, 2, 2), (2, 1, 1, 0) and (1, 2, 2, 1) WITH the optimizer state: the next 5
 losses equal those of the uninterrupted run at the saving layout within 1e-5 relative. Loading
 only the weights (Adam afresh) misses by ~1e-2, so the comparison sees a lost optimizer state."""
+import json
+import shutil
+
 import pytest
+import torch
 
 from conftest import CONFIGS
 from distributed import run_distributed
@@ -52,6 +56,37 @@ def test_optimizer_state_reshards_to_other_layouts(fineweb_prefix, tmp_path):
         worst[(tp, pp, dp, zero)] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
     print("max relative loss difference after re-sharding:", worst)
     assert all(d <= 1e-5 for d in worst.values()), worst
+    # offline: the same state from DeepSpeed's own files, into a new folder (the source untouched)
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+    from conftest import ROOT
+    plain = tmp_path / "plain"   # the checkpoint as a run without train.reshardable_optimizer writes it
+    shutil.copytree(ckpt, plain)
+    shutil.rmtree(plain / f"iter_{BEFORE:07d}" / "optim")
+    manifest = plain / f"iter_{BEFORE:07d}" / "manifest.json"
+    entries = json.loads(manifest.read_text())
+    entries["files"] = {k: v for k, v in entries["files"].items() if not k.startswith("optim/")}
+    manifest.write_text(json.dumps(entries))
+    converted = tmp_path / "converted"
+    done = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(plain),
+                           "--output", str(converted)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not (plain / f"iter_{BEFORE:07d}" / "optim").exists()
+    new = converted / f"iter_{BEFORE:07d}" / "optim"
+    saved_files = sorted(p.name for p in optim.glob("*.safetensors"))
+    assert sorted(p.name for p in new.glob("*.safetensors")) == saved_files and len(saved_files) > 40
+    for name in saved_files:
+        want, got = load_file(str(optim / name)), load_file(str(new / name))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
+    assert json.loads((new / "meta.json").read_text())["adam_step"] == json.loads((optim / "meta.json").read_text())["adam_step"]
+    losses = run_distributed(_load_then_continue, 2, timeout=300, args=(
+        items(fineweb_prefix, 1, 1, 2, f"train.load={converted}"),))[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) <= 1e-5
+    again = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(converted),
+                            "--output", str(tmp_path / "again")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert again.returncode == 2 and "already holds re-shardable optimizer state" in again.stderr
+    assert not (tmp_path / "again").exists()
     # the control: the weights alone (Adam afresh) do not give the same losses
     fresh = run_distributed(_load_then_continue, 2, timeout=300, args=(
         items(fineweb_prefix, 1, 1, 2, f"train.load={ckpt}", "train.load_optimizer=false"),))[0]

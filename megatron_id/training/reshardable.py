@@ -174,3 +174,126 @@ def load(trainer, folder: Path) -> None:
                 safe_set_full_optimizer_state(p, values[key], key)
         else:
             trainer.guard.state[p] = {"step": step.clone(), **{k: values[k] for k in ADAM_KEYS}}
+
+
+# ------------------------------------------------------------ offline: from DeepSpeed's files
+
+# the only non-tensor objects in DeepSpeed's ZeRO optimizer files (0.19): allowed explicitly so
+# that they load with weights_only=True
+def _deepspeed_safe_globals() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def _load_deepspeed_file(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or its layout record is wrong.")
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def extract_from_deepspeed(checkpoint: Path, client: dict, out: Path) -> int:
+    """Write `out` (an optim/ folder) from the ZeRO-1/2 optimizer files DeepSpeed wrote into
+    `checkpoint`: each rank's flat partitions are cut back into parameters with DeepSpeed's own
+    slice mappings, the DP fragments concatenated, the TP shards merged with our partition
+    table. One pipeline stage and TP rank at a time is in memory. Returns the parameter count."""
+    from collections import defaultdict
+
+    from safetensors.torch import save_file
+
+    from .checkpoint import model_config_from_dict
+    layout = client["layout"]
+    tp, pp, dp = layout["tensor"], layout["pipe"], layout["data"]
+    cfg = model_config_from_dict(client["model"])
+    out.mkdir(parents=True, exist_ok=True)
+    steps, written = set(), 0
+    for stage in range(pp):
+        shards = defaultdict(lambda: [None] * tp)   # model name -> per TP rank {key: tensor}
+        for t in range(tp):
+            mp = stage * tp + t
+            shapes = {}
+            for group in _load_deepspeed_file(checkpoint / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]:
+                shapes.update(group)
+            pieces = defaultdict(lambda: defaultdict(list))   # engine name -> key -> DP fragments
+            for d in range(dp):
+                saved = _load_deepspeed_file(checkpoint / f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
+                saved = saved["optimizer_state_dict"]
+                for g, mapping in enumerate(saved["param_slice_mappings"]):
+                    adam = saved["base_optimizer_state"]["state"][g]
+                    flat = {"fp32": saved["single_partition_of_fp32_groups"][g], **{k: adam[k] for k in ADAM_KEYS}}
+                    steps.add(float(adam["step"]))
+                    for name, fragment in mapping.items():
+                        for key, values in flat.items():
+                            pieces[name][key].append(values.narrow(0, fragment.start, fragment.numel))
+            for name, by_key in pieces.items():
+                model_name = name
+                if pp > 1:
+                    piece, rest = name.split(".", 1)
+                    (model_name,) = to_model_names(int(piece), {rest: None}, cfg.n_layers)
+                shards[model_name][t] = {k: torch.cat(v).view(shapes[name]) for k, v in by_key.items()}
+        for name, per_tp in shards.items():
+            merged = {k: merge_state_dicts([{name: s[k]} for s in per_tp], cfg)[name] for k in ("fp32", *ADAM_KEYS)}
+            save_file(merged, str(out / f"{name}.safetensors"))
+            written += 1
+    if len(steps) != 1:
+        raise CheckpointError(f"{checkpoint}: Adam's step differs between parameter groups ({sorted(steps)}).")
+    (out / META).write_text(json.dumps({"format": "megatron_id.reshardable_optimizer/1",
+                                        "adam_step": steps.pop(), "trainer_step": client["step"]}))
+    return written
+
+
+def convert(source: Path, output: Path) -> Path:
+    """`megatron-id convert-checkpoint`: a new train.save folder `output` holding the checkpoint
+    `source` (a train.save folder: its `latest`; or an iter_ folder) plus its re-shardable
+    optimizer state, so that it resumes WITH its optimizer state at any layout. The source is
+    only read; its files are hard-linked into `output` where the file system allows, else
+    copied. Returns the new iter_ folder."""
+    import os
+    import shutil
+
+    from ..errors import OutputExistsError
+    from .checkpoint import (checkpoint_files, commit, latest_folder, manifest_entries, read_client_state,
+                             verify_checkpoint, write_manifest)
+    source, output = Path(source), Path(output)
+    folder = source if (source / "client_state.pt").is_file() else latest_folder(source)
+    if folder is None:
+        raise CheckpointError(f"{source} holds no checkpoint (no `latest`, no client_state.pt): give a "
+                              f"train.save folder or an iter_XXXXXXX folder.")
+    if output.exists() and any(output.iterdir()):
+        raise OutputExistsError(f"{output} exists and is not empty: give a new folder for the converted checkpoint.")
+    problems = verify_checkpoint(folder)
+    if problems:
+        raise CheckpointError(f"{folder} is damaged, not converted: {problems[0]}")
+    client = read_client_state(folder)
+    if has_reshardable_state(folder):
+        raise CheckpointError(f"{folder} already holds re-shardable optimizer state ({FOLDER}/): it "
+                              f"resumes at any layout as it is; nothing to convert.")
+    if client.get("weights_only"):
+        raise CheckpointError(f"{folder} holds weights only (an import): there is no optimizer state to convert.")
+    if client["layout"]["zero_stage"] == 0:
+        raise CheckpointError(f"{folder} was saved at ZeRO-0, whose optimizer file does not name its "
+                              f"parameters: resume it once at its saving layout with "
+                              f"train.reshardable_optimizer=true and save, instead of converting.")
+    staging = output / ".incomplete" / folder.name
+    created = not output.exists()
+    staging.mkdir(parents=True)
+    try:
+        for name in checkpoint_files(folder):
+            if name.startswith(f"{FOLDER}/"):
+                continue
+            target = staging / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(folder / name, target)
+            except OSError:
+                shutil.copy2(folder / name, target)
+        extract_from_deepspeed(folder, client, staging / FOLDER)
+        write_manifest(staging, manifest_entries(staging, checkpoint_files(staging)))
+        final = commit(staging, output)
+        shutil.rmtree(output / ".incomplete", ignore_errors=True)
+        return final
+    except BaseException:
+        shutil.rmtree(output if created else staging, ignore_errors=True)
+        raise
