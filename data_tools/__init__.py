@@ -1,2 +1,3 @@
-"""Corpus preprocessing into Megatron-compatible indexed binaries (.bin/.idx) and the datasets
-the trainer reads. Filled in by issue 4 (`python -m data_tools.preprocess`)."""
+"""Command-line tools for corpora: preprocess into Megatron-compatible indexed binaries
+(.bin/.idx), merge, inspect, train a tokenizer. The formats and the tokenizer loading they use
+live in the package (megatron_id.data)."""

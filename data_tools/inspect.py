@@ -20,7 +20,7 @@ import numpy as np
 from megatron_id.data.indexed_dataset import IndexedDataset, meta_path, read_meta, token_id_report
 from megatron_id.errors import UserError, run_guarded
 
-from .tokenizer import load_tokenizer
+from megatron_id.data.tokenizer import load_tokenizer
 
 
 class InspectError(UserError, ValueError):

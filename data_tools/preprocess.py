@@ -48,7 +48,7 @@ from .outputs import check_outputs, make_folder, remove_folders, report_stale
 from .pieces import PIECE_CHARS, PieceCutter
 from .progress import Progress
 from .readers import InputError, Record, expand_inputs, iter_documents
-from .tokenizer import TokenizerError, eod_id, load_tokenizer, tokenizer_file
+from megatron_id.data.tokenizer import TokenizerError, eod_id, load_tokenizer, tokenizer_file
 
 BATCH_CHARS = 4_000_000   # characters per tokenizer call (and per reader batch); ~1M tokens
 

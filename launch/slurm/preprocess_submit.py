@@ -60,7 +60,7 @@ from data_tools.outputs import check_outputs, make_folder, remove_folders  # noq
 from data_tools.preprocess import PreprocessError, output_prefix  # noqa: E402
 from data_tools.preprocess import build_parser as preprocess_parser  # noqa: E402
 from data_tools.readers import expand_inputs  # noqa: E402
-from data_tools.tokenizer import eod_id, load_tokenizer  # noqa: E402
+from megatron_id.data.tokenizer import eod_id, load_tokenizer  # noqa: E402
 from megatron_id.errors import UserError, run_guarded  # noqa: E402
 
 PROG = "preprocess_submit"

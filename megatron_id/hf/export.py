@@ -157,7 +157,7 @@ def _check_weights(weights: dict, cfg, path: Path, fix: str) -> None:
 
 
 def _tokenizer_ids(tokenizer_file: Path) -> dict:
-    from data_tools.tokenizer import eod_id, load_tokenizer
+    from ..data.tokenizer import eod_id, load_tokenizer
     tok = load_tokenizer(str(tokenizer_file))
     eos = eod_id(tok)
     return {"eos_token": tok.id_to_token(eos), "eos_token_id": eos}

@@ -22,7 +22,7 @@ from ..model import LanguageModel
 def load_model_and_tokenizer(source, tokenizer=None):
     """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id) from a training checkpoint
     (root or iter folder) or an exported Hugging Face folder (it has config.json)."""
-    from data_tools.tokenizer import eod_id, load_tokenizer
+    from ..data.tokenizer import eod_id, load_tokenizer
     from .export import find_tokenizer, read_checkpoint, read_hf_folder
     source = Path(source)
     if (source / "config.json").is_file():

@@ -1,2 +1,3 @@
-"""Training: the paper's optimiser recipe, DeepSpeed configuration and layout checks
-(the DeepSpeed engine and train loop are being built: issue 5)."""
+"""Training: the DeepSpeed engine and loop (engine.py), the optimiser recipe (optim.py), layout
+checks and the DeepSpeed config (layout.py), checkpoints (checkpoint.py, reshardable.py), the
+process group (distributed.py), the memory planner (plan.py) and job preparation (job.py)."""
