@@ -65,11 +65,8 @@ def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, wor
         extra.append(f"train.load={save}")
     cfg = load_config(config_files, [*overrides, *extra])
     layout = training_layout(cfg, world_size)
-    from .plan import GiB, estimate
-    # the planner's estimate, as Metrics.header prints it (CPU: no CUDA overhead)
-    memory = estimate(cfg, layout, cfg.train.zero_stage, float("inf"),
-                      checkpointing=cfg.train.activation_checkpointing,
-                      overhead=2 * GiB if on_gpu else 0, touched_only=not on_gpu)
+    from .plan import run_estimate_gib
+    memory_gib = run_estimate_gib(cfg, layout, on_gpu)
     latest = latest_folder(save)
     step = int(latest.name.removeprefix("iter_")) if latest is not None else 0
     logs = run_dir / "logs"
@@ -83,7 +80,7 @@ def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, wor
     return {"override": extra, "save": save, "load": cfg.train.load, "config_record": str(record),
             "tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data,
             "micro_batch": layout.micro_batch_size, "accumulation": layout.gradient_accumulation,
-            "memory_gib": f"{memory.total / GiB:.1f}",
+            "memory_gib": f"{memory_gib:.1f}",
             "step": step, "train_iters": layout.train_iters, "mixer": cfg.model.mixer.value,
             "model": f"d_model={cfg.model.d_model} n_layers={cfg.model.n_layers}"}
 

@@ -60,15 +60,10 @@ class Metrics:
               file=sys.stderr, flush=True)
 
     def _planned_gib(self, cfg) -> float:
-        """The planner's estimate for this layout, to compare with the `mem` column (on a GPU it
-        includes the planner's assumed 2 GiB of CUDA context and NCCL buffers, on CPU not)."""
+        """The planner's estimate for this layout, to compare with the `mem` column."""
         from .distributed import uses_cuda
-        from .plan import GiB, estimate
-        return estimate(cfg, self.layout, cfg.train.zero_stage, float("inf"),
-                        checkpointing=cfg.train.activation_checkpointing,
-                        overhead=2 * GiB if uses_cuda() else 0,
-                        # CPU pages of ZeRO's reduction bucket count only once written
-                        touched_only=not uses_cuda()).total / GiB
+        from .plan import run_estimate_gib
+        return run_estimate_gib(cfg, self.layout, on_gpu=uses_cuda())
 
     def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int, skipped: int = 0) -> dict:
         now = time.time()

@@ -279,6 +279,15 @@ def estimate(cfg: Config, layout, zero: int, gpu_memory: float, *, checkpointing
                     m["total"] <= gpu_memory * (1 - margin), dp_b, tp_b, pp_b, dp_b + tp_b + pp_b)
 
 
+def run_estimate_gib(cfg: Config, layout, on_gpu: bool) -> float:
+    """The estimate for the run `cfg` at `layout`, as the train header and job scripts print it:
+    on a GPU with the assumed 2 GiB of CUDA context and NCCL buffers, on CPU without them and
+    counting only the written pages of ZeRO's reduction bucket (what RSS shows)."""
+    return estimate(cfg, layout, cfg.train.zero_stage, float("inf"),
+                    checkpointing=cfg.train.activation_checkpointing,
+                    overhead=2 * GiB if on_gpu else 0, touched_only=not on_gpu).total / GiB
+
+
 def plan(cfg: Config, world_size: int, gpu_memory: float, *, margin: float = 0.10,
          overhead: float = 2 * GiB, max_micro_batch: int = 64) -> list[Estimate]:
     """Every accepted layout, with and without activation checkpointing."""

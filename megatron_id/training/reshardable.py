@@ -45,6 +45,16 @@ def has_reshardable_state(checkpoint: Path) -> bool:
     return (Path(checkpoint) / FOLDER / META).is_file()
 
 
+def _model_name(engine_name: str, pipelined: bool, n_layers: int) -> str:
+    """A parameter name of the engine's module (PipelineModule: `<piece>.<rest>`) as the
+    single-device model names it."""
+    if not pipelined:
+        return engine_name
+    piece, rest = engine_name.split(".", 1)
+    (name,) = to_model_names(int(piece), {rest: None}, n_layers)
+    return name
+
+
 def _local_parameters(trainer) -> list[tuple[str, torch.nn.Parameter]]:
     """(single-device model name, parameter) of this rank, in module order: the same order on
     every DP and TP rank of a stage, which the collectives below need."""
@@ -52,13 +62,8 @@ def _local_parameters(trainer) -> list[tuple[str, torch.nn.Parameter]]:
         raise CheckpointError("re-sharding the optimizer state of tied embeddings across pipeline "
                               "stages is not supported yet: load with train.load_optimizer=false, or at "
                               "the saving layout.")
-    out = []
-    for name, p in trainer.engine.module.named_parameters():
-        if trainer.pipelined:
-            piece, rest = name.split(".", 1)
-            (name,) = to_model_names(int(piece), {rest: None}, trainer.cfg.model.n_layers)
-        out.append((name, p))
-    return out
+    return [(_model_name(name, trainer.pipelined, trainer.cfg.model.n_layers), p)
+            for name, p in trainer.engine.module.named_parameters()]
 
 
 def _zero_optimizer(trainer):
@@ -228,11 +233,7 @@ def extract_from_deepspeed(checkpoint: Path, client: dict, out: Path) -> int:
                         for key, values in flat.items():
                             pieces[name][key].append(values.narrow(0, fragment.start, fragment.numel))
             for name, by_key in pieces.items():
-                model_name = name
-                if pp > 1:
-                    piece, rest = name.split(".", 1)
-                    (model_name,) = to_model_names(int(piece), {rest: None}, cfg.n_layers)
-                shards[model_name][t] = {k: torch.cat(v).view(shapes[name]) for k, v in by_key.items()}
+                shards[_model_name(name, pp > 1, cfg.n_layers)][t] = {k: torch.cat(v).view(shapes[name]) for k, v in by_key.items()}
         for name, per_tp in shards.items():
             merged = {k: merge_state_dicts([{name: s[k]} for s in per_tp], cfg)[name] for k in ("fp32", *ADAM_KEYS)}
             save_file(merged, str(out / f"{name}.safetensors"))
