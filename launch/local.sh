@@ -24,7 +24,7 @@ RUN_DIR="$(realpath -m "${MEGATRON_ID_RUN_DIR:-runs/$ID}")"
 LOGS="$RUN_DIR/logs"
 
 say() { echo "[megatron-id $ID $(date +%FT%T)] $*"; }
-die() { say "error: $*" >&2; exit "${2:-2}"; }
+die() { say "error: $1" >&2; exit "${2:-2}"; }   # die MESSAGE [STATUS]
 
 gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" \
     || die "$PYTHON cannot import torch: activate the environment megatron_id is installed in, or set MEGATRON_ID_PYTHON"
@@ -45,12 +45,17 @@ export MEGATRON_ID_DEVICE="$DEVICE"   # (job-prepare: the memory estimate of thi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "NPROC=$NPROC: give a positive number of processes"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
 
+created_run_dir=0
+[[ -e "$RUN_DIR" ]] || created_run_dir=1
 mkdir -p "$LOGS" || die "cannot create the run folder $LOGS (MEGATRON_ID_RUN_DIR)"
 prepared="$LOGS/$ID.prepare"
 "$PYTHON" -m megatron_id.cli job-prepare --run-dir "$RUN_DIR" --world-size "$NPROC" \
     --job-id "$ID" --attempt 0 -- "$@" >"$prepared"
 status=$?
-[[ $status -eq 0 ]] || die "the training arguments were refused (above); nothing was started" "$status"
+if [[ $status -ne 0 ]]; then
+    [[ $created_run_dir -eq 1 ]] && rm -rf "$RUN_DIR"   # nothing of this run is worth keeping
+    die "the training arguments were refused (above); nothing was started" "$status"
+fi
 extra=()
 declare -A job
 while IFS= read -r line; do

@@ -42,7 +42,11 @@ def test_local_launcher_trains_records_and_resumes_with_the_same_command(fineweb
     # a layout the process count cannot hold is refused before torchrun starts
     bad = local(run, *args, "parallel.tensor_model_parallel_size=4")
     assert bad.returncode == 2 and "world size 2 does not factor" in bad.stderr, bad.stderr
-    assert "nothing was started" in bad.stderr
+    assert "nothing was started" in bad.stderr and "nothing was started 2" not in bad.stderr
+    # refused arguments into a new run folder leave no folder behind
+    fresh = local(tmp_path / "new-run", *args, "train.sve=1")
+    assert fresh.returncode == 2 and "unknown config key 'train.sve'" in fresh.stderr
+    assert not (tmp_path / "new-run").exists()
 
 
 def test_every_launch_script_passes_shellcheck():
