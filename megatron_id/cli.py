@@ -70,6 +70,9 @@ def cmd_train(args) -> int:
     from .training.engine import Trainer
     import torch.distributed as dist
     init_distributed_from_env(cfg.train.collective_timeout_minutes)
+    # from here on the process ends by os._exit, an error too (a refused config after the
+    # process group started aborted at teardown now and then: exit -6 instead of 2; see entry)
+    _TEARDOWN.append(lambda: None)
     trainer = None
     try:
         trainer = Trainer(cfg)
