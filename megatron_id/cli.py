@@ -352,10 +352,11 @@ def main(argv=None) -> int:
 
 
 def entry() -> None:
-    """The `megatron-id` program. After a training run, the process ends with os._exit once
-    stdout/stderr are flushed: C++ objects of DeepSpeed and torch.distributed torn down by the
-    interpreter at exit can abort ("terminate called without an active exception", exit 1
-    after a successful run), which breaks SLURM `afterok` chains and requeue logic."""
+    """The `megatron-id` program. Once a training process group exists, the process ends with
+    os._exit after stdout/stderr are flushed, whatever the status: C++ objects of DeepSpeed and
+    torch.distributed torn down by the interpreter at exit can abort ("terminate called without
+    an active exception": exit 1 after a successful run, -6 after a refused one), which breaks
+    SLURM `afterok` chains, requeue logic and our one-line errors."""
     status = main()
     if _TEARDOWN:
         for fn in _TEARDOWN:
