@@ -70,6 +70,9 @@ def cmd_train(args) -> int:
     from .training.engine import Trainer
     import torch.distributed as dist
     init_distributed_from_env(cfg.train.collective_timeout_minutes)
+    # from here on the process ends by os._exit, an error too (a refused config after the
+    # process group started aborted at teardown now and then: exit -6 instead of 2; see entry)
+    _TEARDOWN.append(lambda: None)
     trainer = None
     try:
         trainer = Trainer(cfg)
@@ -97,11 +100,12 @@ def cmd_check_checkpoint(args) -> int:
     """Verify checkpoint folders against their manifests offline: the one `latest` names (or
     every iter_ folder with --all, or the iter_ folder given). Exit 0 only when all are whole."""
     from pathlib import Path
-    from .training.checkpoint import CheckpointError, latest_folder, verify_checkpoint
+    from .checkpoint.files import CLIENT_STATE, STAGING, latest_folder
+    from .checkpoint.integrity import MANIFEST, CheckpointError, verify_checkpoint
     root = Path(args.path)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a folder: give a train.save folder or an iter_XXXXXXX folder.")
-    if (root / "manifest.json").is_file() or (root / "client_state.pt").is_file():
+    if (root / MANIFEST).is_file() or (root / CLIENT_STATE).is_file():
         folders = [root]
     elif args.all:
         folders = sorted(p for p in root.glob("iter_*") if p.is_dir())
@@ -110,7 +114,7 @@ def cmd_check_checkpoint(args) -> int:
     if not folders:
         raise CheckpointError(f"{root} holds no checkpoint (no `latest`, no iter_ folder): give a train.save "
                               f"folder or an iter_XXXXXXX folder.")
-    stale = sorted((root / ".incomplete").glob("iter_*"))
+    stale = sorted((root / STAGING).glob("iter_*"))
     for path in stale:
         print(f"note: {path} was left by an interrupted save (the next run into {root} removes it)")
     damaged = 0
@@ -147,8 +151,8 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .hf.export import BadOptionError
-    from .hf.generate import check_options, generate_ids, load_model_and_tokenizer, stream_text
+    from .errors import BadOptionError
+    from .generation import check_options, generate_ids, load_model_and_tokenizer, stream_text
     import torch
     # option values first: a bad one fails before the model is loaded
     check_options(args.max_new_tokens, args.temperature, args.top_k, args.prefill_chunk_size)
@@ -239,9 +243,9 @@ def cmd_job_prepare(args) -> int:
 
 def cmd_convert_checkpoint(args) -> int:
     """Add the re-shardable optimizer state to a checkpoint written without it (ZeRO-1/2), in a
-    new folder: it then resumes WITH its optimizer state at any layout (training/reshardable.py)."""
-    from .training.reshardable import FOLDER, convert
-    folder = convert(args.input, args.output)
+    new folder: it then resumes WITH its optimizer state at any layout (checkpoint/reshard.py)."""
+    from .checkpoint.reshard import FOLDER, convert
+    folder = convert(args.input, args.output, args.tensor_parallel, args.pipeline_parallel)
     print(f"{folder}: the checkpoint of {args.input} with its optimizer state per parameter in "
           f"{folder / FOLDER}; train from it at any layout with train.load={args.output}")
     return 0
@@ -309,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="copy a ZeRO-1/2 checkpoint with its optimizer state made loadable at any layout")
     cc.add_argument("--input", required=True, help="train.save folder (its latest) or iter_ folder")
     cc.add_argument("--output", required=True, help="a new folder (a train.save folder for train.load)")
+    cc.add_argument("--tensor-parallel", type=int, default=None,
+                    help="the TP size you will load at: checked against the model before converting")
+    cc.add_argument("--pipeline-parallel", type=int, default=None,
+                    help="the PP size you will load at: checked against the model before converting")
     cc.set_defaults(func=cmd_convert_checkpoint)
     j = sub.add_parser("job-prepare", allow_abbrev=False,
                        help="(for job scripts) resolve, record and check a training config before srun")
@@ -349,10 +357,11 @@ def main(argv=None) -> int:
 
 
 def entry() -> None:
-    """The `megatron-id` program. After a training run, the process ends with os._exit once
-    stdout/stderr are flushed: C++ objects of DeepSpeed and torch.distributed torn down by the
-    interpreter at exit can abort ("terminate called without an active exception", exit 1
-    after a successful run), which breaks SLURM `afterok` chains and requeue logic."""
+    """The `megatron-id` program. Once a training process group exists, the process ends with
+    os._exit after stdout/stderr are flushed, whatever the status: C++ objects of DeepSpeed and
+    torch.distributed torn down by the interpreter at exit can abort ("terminate called without
+    an active exception": exit 1 after a successful run, -6 after a refused one), which breaks
+    SLURM `afterok` chains, requeue logic and our one-line errors."""
     status = main()
     if _TEARDOWN:
         for fn in _TEARDOWN:

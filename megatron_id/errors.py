@@ -32,6 +32,10 @@ class OutputExistsError(UserError, FileExistsError):
     """An output target exists and is not ours to replace (or --overwrite was not given)."""
 
 
+class BadOptionError(UserError, ValueError):
+    """An option value that cannot work: the option, the value and the valid range."""
+
+
 def _rank() -> tuple[int, int]:
     env = os.environ
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))

@@ -1,0 +1,342 @@
+"""The training loop on DeepSpeed: tensor x pipeline x data parallelism, ZeRO 0/1/2.
+
+    trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
+    trainer.train()                   # resumes from train.load; saves to train.save
+
+Engines: PP = 1 uses DeepSpeed's plain engine (ZeRO 0/1/2) with the tensor-parallel model and
+our `parallel.state` as mpu; PP > 1 uses its PipelineEngine (1F1B schedule, ZeRO 0/1) on the
+PipelineModule of parallel/pipeline.py, whose grid comes from the same topology.
+
+Order of a step: the scheduled LR (in tokens) is applied to every group (the SSM group capped),
+then `gradient_accumulation` micro-batches go through forward (bf16 autocast when
+train.precision=bf16; the SSM core runs in float32 regardless), the vocab-parallel loss and
+backward; at the accumulation boundary gradients are averaged over data parallelism, clipped
+(ZeRO-0: by GuardedAdamW, ZeRO-1/2: by DeepSpeed) and applied, unless any loss or gradient was
+not finite: then the update is skipped on every rank, counted, and train.max_nonfinite_in_a_row
+skipped steps in a row stop the run with NonFiniteTrainingError (naming the step and the last
+good checkpoint). The returned loss is the mean over the global batch.
+
+Checkpoints (the format and its protocol: megatron_id/checkpoint/): every train.save_interval
+steps and at the end, `<save>/iter_XXXXXXX/` committed atomically behind `<save>/latest`, the last
+train.keep_last kept. SIGTERM and SIGUSR1 (SLURM preemption) finish the current step, save and
+exit. A checkpoint loads at this or any other TP x PP x DP x ZeRO layout (engine_io.load says how).
+
+Before DeepSpeed starts, rank 0 checks what reads files (the data: token ids against the
+vocabulary, splits; the train.save / train.load rules of checkpoint/rules.py), takes
+the lock on train.save and removes staging folders of killed saves; every rank then raises the
+same error, or goes on. A collective that times out (train.collective_timeout_minutes) ends
+the run with the ranks that stopped responding named (distributed.Heartbeat).
+"""
+from __future__ import annotations
+
+import math
+import signal
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, ConfigError
+from ..checkpoint import engine_io
+from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, remove_stale_staging, rng_state,
+                                set_rng_state, step_of)
+from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
+from ..errors import UserError
+from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, parse_data_path
+from ..model import LanguageModel
+from ..parallel import parallelize, state, vocab_parallel_cross_entropy
+from ..parallel.pipeline import pipeline_model
+from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
+                          local_device_index, skip_deepspeed_shm_build, uses_cuda)
+from .layout import deepspeed_config, training_layout
+from .metrics import Metrics
+from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
+
+
+class NonFiniteTrainingError(UserError, RuntimeError):
+    """Too many non-finite steps in a row; the message names the step and the last good checkpoint."""
+
+    same_on_every_rank = True   # the skip decision is agreed by all ranks
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        import deepspeed
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed first (torchrun, srun or "
+                               "deepspeed.init_distributed).")
+        if dist.get_backend() == "gloo":
+            skip_deepspeed_shm_build()   # (distributed.py says why)
+        deepspeed.init_distributed(dist_backend=dist.get_backend())   # adopts the existing group
+        self.cfg = cfg
+        self.layout = training_layout(cfg, dist.get_world_size())   # all checks before any work
+        self.save_lock = None
+        self.resume_from = agree_on_rank0(self._preflight)          # data and folders, on rank 0
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        import deepspeed
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        state.initialize_model_parallel(self.layout.tensor, self.layout.pipe)
+        self.tp_group = state.get_tensor_model_parallel_group()
+        self.pipelined = self.layout.pipe > 1
+        if self.pipelined:   # DeepSpeed's PipelineEngine; its mpu is the module's own grid
+            model, mpu = pipeline_model(
+                cfg.model, state.get_topology(), self.tp_group, seed=cfg.seed,
+                loss_vocab=cfg.model.vocab_size, sequence_parallel=cfg.parallel.sequence_parallel,
+                activation_checkpointing=cfg.train.activation_checkpointing), None
+        else:
+            model = parallelize(LanguageModel(cfg.model, seed=cfg.seed), self.tp_group,
+                                sequence_parallel=cfg.parallel.sequence_parallel)
+            model.activation_checkpointing = cfg.train.activation_checkpointing
+            mpu = state
+        o = cfg.optimizer
+        # ZeRO-0: the guard computes the norm and clips (DeepSpeed's fp32 path would apply a
+        # NaN step and reports no norm); ZeRO-1/2/3: DeepSpeed clips and skips, the guard checks
+        # (it steps each parameter group, at ZeRO-3 each sub-group, as a separate call).
+        self.guard = GuardedAdamW(parameter_groups(model, o), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                  eps=o.adam_eps, clip_grad=o.clip_grad if cfg.train.zero_stage == 0 else None,
+                                  tp_rank=dist.get_rank(self.tp_group), data_parallel=self.layout.data)
+        optimizer = self.guard
+        if self.pipelined:
+            stage_loss = model.loss_fn
+            model.loss_fn = lambda logits, labels: self.guard.observe_loss(stage_loss(logits, labels))
+        # DeepSpeed picks the device from LOCAL_RANK unless told: with one visible GPU per task
+        # (srun --gpus-per-task=1) that is device 0, whatever the local rank
+        device_args = SimpleNamespace(device_rank=local_device_index()) if uses_cuda() else None
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            args=device_args, model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout),
+            mpu=mpu)
+        self.device = getattr(self.engine, "device", "cpu")
+        self.train_data = self._datasets()
+        self.step, self.evaluations = 0, 0
+        self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
+        self._restart_sampler()
+        self.stop_requested, self.saved_step = False, self.step
+
+    def _preflight(self) -> str | None:
+        """Rank 0, before DeepSpeed starts: the checks that read files (data, checkpoint folders)
+        and the lock on train.save. Returns the checkpoint root to resume from."""
+        t, d, m = self.cfg.train, self.cfg.data, self.cfg.model
+        if not d.data_path:
+            raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
+                              "(data.data_path=[data/my_corpus_text_document]).")
+        check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
+        resume, note = check_save_and_load(t.save, t.load)
+        if resume is not None:
+            check_resume_batch(latest_folder(resume), self.layout.global_batch_size)
+        if t.save:
+            self.save_lock = SaveLock(t.save)   # held until close(): no second live run writes here
+            for path in remove_stale_staging(t.save):
+                print(f"removed {path}, left by an interrupted save", file=sys.stderr, flush=True)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        return None if resume is None else str(resume)
+
+    def close(self) -> None:
+        """Release train.save (the lock) at the end of a run."""
+        if self.save_lock is not None:
+            self.save_lock.release()
+            self.save_lock = None
+
+    @property
+    def consumed_tokens(self) -> int:
+        return self.step * self.layout.tokens_per_step
+
+    def _restart_sampler(self):
+        """The data position is the number of samples consumed: resuming continues the order."""
+        consumed = self.step * self.layout.global_batch_size
+        self.sampler = iter(PretrainingSampler(len(self.train_data), consumed, self.layout.micro_batch_size,
+                                               state.get_data_parallel_rank(), self.layout.data))
+
+    def _datasets(self):
+        d = self.cfg.data   # checked by _preflight
+        cache = d.index_cache_dir or str(Path(parse_data_path(d.data_path)[0][1]).parent / "index-cache")
+        n_train = self.layout.train_iters * self.layout.global_batch_size
+        evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
+        n_valid = evals * self.cfg.train.eval_iters * self.layout.global_batch_size
+        train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
+                                                       self.cfg.model.seq_length, self.cfg.seed, cache)
+        return train
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        with self._autocast(batch.device):
+            logits = self.engine(batch[:, :-1])
+        return self.guard.observe_loss(vocab_parallel_cross_entropy(
+            logits, batch[:, 1:], self.tp_group, self.cfg.model.vocab_size).mean())
+
+    def _autocast(self, device):
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
+                              enabled=self.cfg.train.precision.value == "bf16")
+
+    def _pipeline_batches(self, dataset, sampler):
+        """(inputs, labels) micro-batches for the PipelineEngine, read lazily: only the first
+        and last stages pull from it."""
+        for indices in sampler:
+            batch = self._batch(dataset, indices)
+            yield batch[:, :-1], batch[:, 1:]
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over train.eval_iters global batches of the validation split (None without
+        one). Each evaluation reads the next batches, so successive evaluations see new data."""
+        if self.valid_data is None or self.cfg.train.eval_iters < 1:
+            return None
+        per_eval = self.cfg.train.eval_iters * self.layout.global_batch_size
+        start = (self.evaluations * per_eval) % max(len(self.valid_data) - per_eval + 1, 1)
+        sampler = PretrainingSampler(start + per_eval, start, self.layout.micro_batch_size,
+                                     state.get_data_parallel_rank(), self.layout.data)
+        self.evaluations += 1
+        if self.pipelined:   # mean over micro-batches and data-parallel ranks, on every stage
+            with self._autocast(self.device):
+                loss = self.engine.eval_batch(
+                    self._pipeline_batches(self.valid_data, iter(sampler)),
+                    num_micro_batches=self.cfg.train.eval_iters * self.layout.gradient_accumulation)
+            return loss.item()
+        self.engine.eval()
+        total, count = torch.zeros(1, device=self.device), 0   # collectives run on the training device
+        for indices in sampler:
+            total += self._loss(self._batch(self.valid_data, indices)).detach().float()
+            count += 1
+        dist.all_reduce(total, group=state.get_data_parallel_group())
+        self.engine.train()
+        return total.item() / (count * self.layout.data)
+
+    def _batch(self, dataset, indices) -> torch.Tensor:
+        return torch.stack([torch.from_numpy(dataset[i]) for i in indices]).to(self.device)
+
+    def train_step(self) -> float:
+        lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
+        apply_learning_rate(self.optimizer, lr)
+        self.last_lr = lr
+        updates_before = self.guard.updates
+        loss = self._train_batch()
+        self.last_skipped = self.guard.updates == updates_before
+        return loss
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping); inf if it was skipped."""
+        if self.last_skipped:
+            return math.inf
+        if self.cfg.train.zero_stage == 0:
+            return self.guard.last_grad_norm
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def _train_batch(self) -> float:
+        if self.pipelined:   # DeepSpeed runs the 1F1B schedule over gradient_accumulation micro-batches
+            with self._autocast(self.device):
+                loss = self.engine.train_batch(self._pipeline_batches(self.train_data, self.sampler))
+            self.step += 1
+            return loss.item()
+        total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
+        for _ in range(self.layout.gradient_accumulation):
+            loss = self._loss(self._batch(self.train_data, next(self.sampler)))
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total, group=state.get_data_parallel_group())
+        self.step += 1
+        return total.item() / (self.layout.gradient_accumulation * self.layout.data)
+
+    # ------------------------------------------------------------ the loop
+
+    def train(self, max_steps: int | None = None) -> list[float]:
+        """Train to train_iters (or max_steps more steps); save every save_interval, and at the
+        end or on SIGTERM / SIGUSR1. Returns the losses of the steps run."""
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        losses = []
+        metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0)
+        start_step = self.step
+        metrics.header(self.cfg, start_step)
+        heartbeat = Heartbeat()
+        try:
+            end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
+            while self.step < end and not self._stop_agreed():
+                heartbeat.beat(self.step)
+                losses.append(self.train_step())
+                self._count_nonfinite()
+                metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
+                             skipped=self.skipped_steps)
+                if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
+                    metrics.validation(self.step, self.evaluate())
+                if self.cfg.train.save and self.step % self.cfg.train.save_interval == 0:
+                    self.save_checkpoint(self.cfg.train.save)
+            if self.cfg.train.save and self.step != self.saved_step:
+                self.save_checkpoint(self.cfg.train.save)
+        except RuntimeError as err:
+            if not is_collective_timeout(err):
+                raise
+            raise collective_timeout_error(err, self.step + 1, self.cfg.train.collective_timeout_minutes,
+                                           heartbeat) from None
+        finally:
+            heartbeat.close()
+            metrics.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return losses
+
+    def _count_nonfinite(self) -> None:
+        """A skipped step is counted; train.max_nonfinite_in_a_row of them in a row stop the run."""
+        if not self.last_skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.train.max_nonfinite_in_a_row
+        if dist.get_rank() == 0:
+            print(f"step {self.step}: non-finite loss or gradient norm, update skipped "
+                  f"({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in this run)",
+                  file=sys.stderr, flush=True)
+        if limit > 0 and self.nonfinite_in_a_row >= limit:
+            first = self.step - self.nonfinite_in_a_row + 1
+            raise NonFiniteTrainingError(
+                f"stopping at step {self.step}: {self.nonfinite_in_a_row} steps in a row "
+                f"({first}-{self.step}) had a non-finite loss or gradient norm and were skipped "
+                f"(train.max_nonfinite_in_a_row={limit}). Last good checkpoint: "
+                f"{self._last_checkpoint()}. Resume from it (train.load=...) with a lower "
+                f"optimizer.lr or a stricter optimizer.clip_grad, or inspect the data of these steps.")
+
+    def _last_checkpoint(self) -> str:
+        for root in (self.cfg.train.save, self.cfg.train.load):
+            folder = latest_folder(root) if root else None
+            if folder is not None:
+                return f"{folder} (step {step_of(folder.name)})"
+        return "none (no checkpoint was saved; set train.save and train.save_interval)"
+
+    def _request_stop(self, signum, frame):
+        self.stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """Every rank stops at the same step if any one of them was signalled."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, root) -> Path:
+        client = ClientState(
+            step=self.step, model=model_config_dict(self.cfg.model), layout=engine_io.current_layout(self),
+            consumed_samples=self.step * self.layout.global_batch_size,
+            tokenizer=str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
+            evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state())
+        folder = engine_io.save(self, root, client)
+        self.saved_step = self.step
+        return folder
+
+    def load_checkpoint(self, root) -> None:
+        """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py)."""
+        client = engine_io.load(self, root)
+        self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
+        if client.rng is not None:
+            set_rng_state(client.rng)

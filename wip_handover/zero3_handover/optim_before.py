@@ -1,0 +1,132 @@
+"""The paper's optimisation recipe: parameter groups and a learning-rate schedule in tokens.
+
+Groups (spec section 6; AdamW), declared per parameter beside the model (PARAMETER_ROLES,
+megatron_id/model/roles.py), never listed here:
+  decay      matrices and embeddings: weight decay (0.1)
+  no_decay   norms and biases of the backbone (1-D parameters): no weight decay
+  ssm        the SSM's own parameters, i.e. the SSM-input norms and biases (k_norm, v_norm,
+             k_bias, v_bias), Delta (log_dt), A (a_log, a_im), C (c_re, c_im), and the linear
+             contraction vector c_vec [our choice: it reads the state as C does]:
+             learning rate min(scheduled LR, ssm_lr_max) and no weight decay.
+Schedule: linear warmup over `warmup_tokens`, then cosine from lr to min_lr at `total_tokens`,
+then min_lr. Tokens (not steps) so that changing the batch size keeps the schedule.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..model.roles import Group, UndeclaredParameterError, parameter_roles
+
+
+def groups_by_name(model: nn.Module) -> dict[str, Group]:
+    """{parameter name: its declared optimizer group} for `model` (a LanguageModel, parallelised
+    or not, or the PipelineModule of a stage: the declarations travel with the modules)."""
+    groups = {}
+    for name, role in parameter_roles(model).items():
+        if role.group is None:
+            raise UndeclaredParameterError(f"parameter '{name}' has no declared optimizer group: "
+                                           f"declare it in its module's PARAMETER_ROLES (model/roles.py).")
+        groups[name] = role.group
+    return groups
+
+
+def parameter_groups(model: nn.Module, opt) -> list[dict]:
+    """AdamW parameter groups; each carries `name` and `max_lr` for the scheduler."""
+    group = groups_by_name(model)
+    members = {g: [] for g in Group}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            members[group[name]].append(param)
+    settings = {Group.DECAY: (opt.weight_decay, math.inf), Group.NO_DECAY: (0.0, math.inf),
+                Group.SSM: (0.0, opt.ssm_lr_max)}
+    return [{"params": params, "name": g.value, "weight_decay": settings[g][0], "max_lr": settings[g][1]}
+            for g, params in members.items() if params]
+
+
+def learning_rate(tokens: float, opt, total_tokens: float) -> float:
+    """The scheduled (base) learning rate after `tokens` training tokens."""
+    if opt.warmup_tokens > 0 and tokens < opt.warmup_tokens:
+        return opt.lr * tokens / opt.warmup_tokens
+    decay_tokens = max(total_tokens - opt.warmup_tokens, 1)
+    progress = min(max(tokens - opt.warmup_tokens, 0) / decay_tokens, 1.0)
+    return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def apply_learning_rate(optimizer, lr: float) -> None:
+    """Set every group's LR: the scheduled value, capped by the group's max_lr (SSM group)."""
+    for group in optimizer.param_groups:
+        group["lr"] = min(lr, group.get("max_lr", math.inf))
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that refuses an update whose gradients are not all finite, on any rank.
+
+    DeepSpeed's ZeRO-1/2 optimiser already skips a step whose global gradient norm is inf/NaN
+    (this step is then never called); its ZeRO-0 fp32 path and the pipeline engine without
+    ZeRO would apply it and turn every weight into NaN. So every update passes here first:
+    with `clip_grad` set (ZeRO-0, where DeepSpeed's own clipping is turned off) this computes
+    the global gradient norm over all TP x PP x DP ranks, skips if it is not finite and clips
+    otherwise; under ZeRO (clip_grad None; the gradients are this rank's partition, already
+    clipped) it only checks finiteness. `updates` counts applied calls: a step during which it
+    did not move was skipped.
+
+    Norm rule (as Megatron's): a TP shard counts on its own rank; a parameter replicated over
+    TP counts on TP rank 0 only; every pipeline stage counts its own; data-parallel replicas
+    hold the same gradients after the all-reduce, so the world-wide sum is divided by DP; a
+    weight tied across pipeline stages counts on its first stage only (DeepSpeed marks the other
+    copies ds_pipe_replicated).
+    """
+
+    def __init__(self, params, *, clip_grad: float | None, tp_rank: int = 0, data_parallel: int = 1, **kwargs):
+        super().__init__(params, **kwargs)
+        self.clip_grad, self.tp_rank, self.data_parallel = clip_grad, tp_rank, data_parallel
+        self.updates, self.last_grad_norm = 0, None
+        self._nonfinite_losses = None   # on the loss's device: no host sync per micro-batch
+
+    def observe_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Called with each micro-batch loss: a non-finite one vetoes the next update even if
+        its gradients came out finite. Evaluation (no grad) is not observed."""
+        if not torch.is_grad_enabled():
+            return loss
+        bad = (~torch.isfinite(loss.detach())).float().sum()
+        self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad
+        return loss
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        device = params[0].device if params else torch.device("cpu")
+        flag = torch.zeros(1, device=device)   # summed over all ranks below
+        if self.clip_grad is None:   # ZeRO partition: count non-finite entries
+            for _, g in grads:
+                flag += (~torch.isfinite(g)).sum()
+        else:                        # squared norm of what this rank counts
+            for p, g in grads:
+                if not getattr(p, "ds_pipe_replicated", False) and (
+                        getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0):
+                    flag += g.float().pow(2).sum()
+        if self._nonfinite_losses is not None:
+            bad_loss = self._nonfinite_losses.to(device) > 0
+            flag += torch.where(bad_loss, math.inf, 0.0)
+            self._nonfinite_losses = None
+        if dist.is_initialized():
+            dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
+        total = flag.item()
+        if self.clip_grad is None:
+            finite = total == 0
+        else:
+            norm = math.sqrt(total / self.data_parallel) if math.isfinite(total) else math.inf
+            self.last_grad_norm = norm
+            finite = math.isfinite(norm)
+            if finite and self.clip_grad > 0 and norm > self.clip_grad:
+                for _, g in grads:
+                    g.mul_(self.clip_grad / (norm + 1e-6))
+        if not finite:
+            return None
+        self.updates += 1
+        return super().step(closure)
