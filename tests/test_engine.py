@@ -252,11 +252,12 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(fineweb_prefix, tm
 
 
 def _train_and_save(rank, world, items, path):
+    from megatron_id.checkpoint.engine_io import current_layout
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
     losses = [trainer.train_step() for _ in range(STEPS)]
     trainer.save_checkpoint(path)
-    return losses, trainer._layout_record()
+    return losses, current_layout(trainer)
 
 
 @pytest.mark.slow

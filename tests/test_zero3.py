@@ -11,6 +11,7 @@ from distributed import run_distributed
 from megatron_id.config import ConfigError, load_config
 
 TINY = CONFIGS / "model" / "tiny.yaml"
+TOKENIZER = CONFIGS.parent / "tests" / "data" / "gpt2-tokenizer.json"
 # every parameter partitioned (none kept whole as "persistent") and released after each use,
 # so that forward and backward gather each one again: the paths a large model takes
 MINIMAL_LIVE = [f"train.deepspeed.zero_optimization.{key}=0" for key in (
@@ -106,6 +107,13 @@ def test_zero3_skips_nonfinite_steps(fineweb_prefix):
         assert unchanged == skipped and inf_norm == skipped, record
 
 
+def _load_weights_then_step(rank, world, items):
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([TINY], items))
+    loaded = {k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items()}
+    return trainer.step, loaded, trainer.train_step()
+
+
 def _run(rank, world, items, steps):
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([TINY], items))
@@ -125,6 +133,9 @@ def test_zero3_checkpoint_resumes_exactly_at_the_same_layout(fineweb_prefix, tmp
     _, uninterrupted = run([], 4)
     start, first = run([f"train.save={ckpt}"], 2)
     assert start == 0 and (ckpt / "latest").read_text() == "iter_0000002"
+    import shutil
+    at_step_2 = tmp_path / "at-step-2"   # the resume below moves ckpt's `latest` to step 4
+    shutil.copytree(ckpt, at_step_2)
     start, resumed = run([f"train.save={ckpt}", f"train.load={ckpt}"], 2)
     assert start == 2
     for got, want in zip(first + resumed, uninterrupted, strict=True):
@@ -140,6 +151,28 @@ def test_zero3_checkpoint_resumes_exactly_at_the_same_layout(fineweb_prefix, tmp
     shapes = [shape for group in states["param_shapes"] for shape in group.values()]
     held = sum(t.numel() for t in optim["fp32_flat_groups"])
     assert held == sum(math.ceil(s.numel() / 2) for s in shapes)   # each parameter cut in DP pieces
+
+    # another layout consolidates the DP pieces: the weights alone at TP=1 x DP=1 x ZeRO-0 give
+    # step 3 the loss of the uninterrupted run (a step's loss is computed before its update)
+    single = overrides(fineweb_prefix, 1, 0, 4) + [f"train.load={at_step_2}", "train.load_optimizer=false"]
+    start, loaded, loss = run_distributed(_load_weights_then_step, 1, args=(single,), timeout=300)[0]
+    assert start == 2 and abs(loss - uninterrupted[2]) <= 1e-5 * abs(uninterrupted[2]), (loss, uninterrupted)
+    # and the Hugging Face export of the ZeRO-3 checkpoint holds those same weights
+    from safetensors.torch import load_file
+    from megatron_id.hf.export import export_hf
+    export_hf(at_step_2, tmp_path / "hf", tokenizer=TOKENIZER)
+    exported = {k.removeprefix("model."): v for k, v in load_file(str(tmp_path / "hf" / "model.safetensors")).items()}
+    assert sorted(exported) == sorted(loaded)
+    for name, want in loaded.items():   # the loaded module has the vocabulary padded for TP
+        assert torch.equal(exported[name], want[:exported[name].shape[0]]), name
+    # its optimizer state cannot move: convert-checkpoint says so and writes nothing
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = tmp_path / "converted"
+    done = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(ckpt),
+                           "--output", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and "was saved at ZeRO-3" in done.stderr and not out.exists(), done.stderr
 
 
 def test_zero3_layout_rules():

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from ..parallel.pipeline import from_model_names, pipeline_state_dict
 from . import reshard
 from .files import (STAGING, ClientState, commit, describe, finish_staging, latest_folder, layout_record, prune,
@@ -112,6 +113,12 @@ def load(trainer, root) -> ClientState:
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}.")
     elif want_optimizer and reshard.has_reshardable_state(path):
+        if current["zero_stage"] == 3:
+            raise ConfigError(
+                f"checkpoint {path} was saved at {describe(saved)}; its re-shardable optimizer state "
+                f"cannot be loaded into ZeRO-3 (this run, {describe(current)}): ZeRO-3 keeps no whole "
+                f"parameter on any rank to set it into. Continue at train.zero_stage=1 or 2, or set "
+                f"train.load_optimizer=false to load the weights with fresh optimizer state.")
         reshard.load(trainer, path)
         _say(f"loaded {path} (saved at {describe(saved)}) into {describe(current)} with its "
              f"optimizer state, re-sharded")
@@ -148,6 +155,8 @@ def load_weights(trainer, folder: Path, saved: dict) -> None:
     module = trainer.engine.module
     if trainer.pipelined:
         local = pipeline_state_dict(local, module, cfg.n_layers, cfg.tie_embeddings)
-    module.load_state_dict(local, strict=True)
+    import deepspeed   # ZeRO-3: a parameter holds its DP partition only: gather, copy, re-partition
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):   # no-op below ZeRO-3
+        module.load_state_dict(local, strict=True)
     if hasattr(trainer.engine.optimizer, "refresh_fp32_params"):   # ZeRO keeps fp32 master copies
         trainer.engine.optimizer.refresh_fp32_params()

@@ -52,10 +52,68 @@ def read_checkpoint(path, also_export: bool = False):
     return folder, client, cfg, read_model_state(folder, cfg, client.layout)
 
 
+class _Zero3Parameter:
+    """One parameter of a ZeRO-3 checkpoint: DP rank d holds piece d (ceil(numel / DP) elements,
+    the last zero-padded) of every parameter in its fp32 flat groups, parameter after parameter.
+    Assembled from the memory-mapped pieces only when indexed (one parameter at a time)."""
+
+    def __init__(self, flats: list, offset: int, shape: torch.Size):
+        self.flats, self.offset, self.shape = flats, offset, shape
+        self.piece = -(-shape.numel() // len(flats))
+
+    def full(self) -> torch.Tensor:
+        pieces = [f[self.offset:self.offset + self.piece] for f in self.flats]
+        return torch.cat(pieces)[:self.shape.numel()].view(self.shape)
+
+    def __getitem__(self, index):
+        return self.full()[index]
+
+
+def zero3_model_file(dp: int, tp: int) -> str:
+    return f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt"
+
+
+def zero3_optim_file(dp: int, tp: int) -> str:
+    return f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
+
+
+def _zero3_shard(folder: Path, tp: int, dp: int, tied: bool) -> dict:
+    """TP rank `tp`'s {model name: _Zero3Parameter} of a ZeRO-3 checkpoint (PP = 1). DeepSpeed's
+    model files hold empty placeholders there ("module": every tensor of shape (0,)) and the
+    parameter order (param_shapes); the weights are the fp32 partitions of the optimizer files."""
+    from .integrity import verify_file
+    from .reshard import _deepspeed_safe_globals
+    shapes = [(name, shape) for group in load_file(folder / zero3_model_file(0, tp))["param_shapes"]
+              for name, shape in group.items()]
+    flats = []
+    for d in range(dp):
+        path = folder / zero3_optim_file(d, tp)
+        if not path.is_file():
+            raise UserError(f"checkpoint file {path} is missing: the checkpoint is incomplete.")
+        verify_file(folder, path.name)
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            groups = torch.load(path, map_location="cpu", weights_only=True, mmap=True)[
+                "optimizer_state_dict"]["fp32_flat_groups"]
+        flats.append(groups[0] if len(groups) == 1 else torch.cat(groups))
+    shard, offset = {}, 0
+    for name, shape in shapes:
+        shard[name] = _Zero3Parameter(flats, offset, shape)
+        offset += shard[name].piece
+    if offset != flats[0].numel():
+        raise UserError(f"{folder}: the ZeRO-3 partitions of TP rank {tp} hold {flats[0].numel()} "
+                        f"elements per DP rank, its parameters need {offset}: not a checkpoint of this model.")
+    if tied:   # stored once, as embed.weight (DeepSpeed names the pair in global rank 0's file only)
+        shard["lm_head.weight"] = shard["embed.weight"]
+    return shard
+
+
 def _saved_shards(folder: Path, cfg: ModelConfig, saved: dict) -> list[dict]:
     """Per saved TP rank, {model name: tensor}, memory-mapped (nothing read yet)."""
     shards = []
     for tp in range(saved["tensor"]):
+        if saved["zero_stage"] == 3:
+            shards.append(_zero3_shard(folder, tp, saved["data"], cfg.tie_embeddings))
+            continue
         if saved["pipe"] == 1:
             shards.append(dict(load_file(folder / module_file(tp))["module"]))
             continue
@@ -68,7 +126,9 @@ def _saved_shards(folder: Path, cfg: ModelConfig, saved: dict) -> list[dict]:
 
 def read_model_state(folder: Path, cfg: ModelConfig, saved: dict) -> dict:
     """The TP=1, unpadded LanguageModel state dict held by checkpoint folder `folder`."""
-    return merge_state_dicts(_saved_shards(Path(folder), cfg, saved), cfg)
+    shards = [{name: t.full() if isinstance(t, _Zero3Parameter) else t for name, t in shard.items()}
+              for shard in _saved_shards(Path(folder), cfg, saved)]
+    return merge_state_dicts(shards, cfg)
 
 
 def local_slice(name: str, cfg: ModelConfig, tp: int, rank: int, parts: list) -> torch.Tensor:

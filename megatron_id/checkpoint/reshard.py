@@ -190,45 +190,89 @@ def _load_deepspeed_file(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def extract_from_deepspeed(checkpoint: Path, client, out: Path) -> int:
-    """Write `out` (an optim/ folder) from the ZeRO-1/2 optimizer files DeepSpeed wrote into
-    `checkpoint`: each rank's flat partitions are cut back into parameters with DeepSpeed's own
-    slice mappings, the DP fragments concatenated, the TP shards merged with our partition
-    table. One pipeline stage and TP rank at a time is in memory. Returns the parameter count."""
+def _zero12_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set) -> dict:
+    """{model name: per TP rank {fp32, exp_avg, exp_avg_sq}} of pipeline stage `stage` from
+    DeepSpeed's ZeRO-1/2 optimizer files: each DP rank's flat partitions cut back into
+    parameters with DeepSpeed's own slice mappings, the DP fragments concatenated."""
     from collections import defaultdict
+    tp, pp, dp = layout["tensor"], layout["pipe"], layout["data"]
+    shards = defaultdict(lambda: [None] * tp)
+    for t in range(tp):
+        mp = stage * tp + t
+        shapes = {}
+        for group in _load_deepspeed_file(checkpoint / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]:
+            shapes.update(group)
+        pieces = defaultdict(lambda: defaultdict(list))   # engine name -> key -> DP fragments
+        for d in range(dp):
+            saved = _load_deepspeed_file(checkpoint / f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
+            saved = saved["optimizer_state_dict"]
+            for g, mapping in enumerate(saved["param_slice_mappings"]):
+                adam = saved["base_optimizer_state"]["state"][g]
+                flat = {"fp32": saved["single_partition_of_fp32_groups"][g], **{k: adam[k] for k in ADAM_KEYS}}
+                steps.add(float(adam["step"]))
+                for name, fragment in mapping.items():
+                    for key, values in flat.items():
+                        pieces[name][key].append(values.narrow(0, fragment.start, fragment.numel))
+        for name, by_key in pieces.items():
+            shards[_model_name(name, pp > 1, cfg.n_layers)][t] = {k: torch.cat(v).view(shapes[name])
+                                                                  for k, v in by_key.items()}
+    return shards
 
+
+def _zero0_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set, weights: list) -> dict:
+    """The same from a ZeRO-0 checkpoint: GuardedAdamW's own state dict (in DeepSpeed's
+    mp_rank file), whose parameter groups name their parameters (`param_names`: the engine
+    module's names, given to the optimizer at ZeRO-0 for this), and the weights themselves
+    (fp32 at ZeRO-0: there is no separate master copy). `weights`: per TP rank {model name:
+    tensor}, memory-mapped."""
+    from collections import defaultdict
+    tp, pp = layout["tensor"], layout["pipe"]
+    shards = defaultdict(lambda: [None] * tp)
+    for t in range(tp):
+        path = checkpoint / f"mp_rank_{stage * tp + t:02d}_model_states.pt"
+        optimizer = _load_deepspeed_file(path).get("optimizer")
+        groups = (optimizer or {}).get("param_groups", [])
+        if not groups or any("param_names" not in g for g in groups):
+            raise CheckpointError(f"{path}: its ZeRO-0 optimizer state does not name its parameters "
+                                  f"(written before megatron_id named them): resume it once at its saving "
+                                  f"layout with train.reshardable_optimizer=true and save, instead of converting.")
+        for group in groups:
+            for index, engine_name in zip(group["params"], group["param_names"], strict=True):
+                adam = optimizer["state"].get(index)
+                if adam is None:
+                    raise CheckpointError(f"{path}: no Adam state for {engine_name}: the checkpoint was "
+                                          f"saved before the first optimizer step; there is nothing to convert.")
+                steps.add(float(adam["step"]))
+                name = _model_name(engine_name, pp > 1, cfg.n_layers)
+                shards[name][t] = {"fp32": weights[t][name], **{k: adam[k] for k in ADAM_KEYS}}
+    return shards
+
+
+def extract_from_deepspeed(checkpoint: Path, client, out: Path) -> int:
+    """Write `out` (an optim/ folder) from the optimizer files DeepSpeed wrote into
+    `checkpoint` (ZeRO-0, 1 or 2), the TP shards merged with our partition table. One pipeline
+    stage is in memory at a time. Returns the number of parameter files written."""
     from safetensors.torch import save_file
 
+    from .read import _saved_shards
     layout = client.layout
-    tp, pp, dp = layout["tensor"], layout["pipe"], layout["data"]
     cfg = client.model_config()
     out.mkdir(parents=True, exist_ok=True)
+    weights = _saved_shards(checkpoint, cfg, layout) if layout["zero_stage"] == 0 else None
     steps, written = set(), 0
-    for stage in range(pp):
-        shards = defaultdict(lambda: [None] * tp)   # model name -> per TP rank {key: tensor}
-        for t in range(tp):
-            mp = stage * tp + t
-            shapes = {}
-            for group in _load_deepspeed_file(checkpoint / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]:
-                shapes.update(group)
-            pieces = defaultdict(lambda: defaultdict(list))   # engine name -> key -> DP fragments
-            for d in range(dp):
-                saved = _load_deepspeed_file(checkpoint / f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
-                saved = saved["optimizer_state_dict"]
-                for g, mapping in enumerate(saved["param_slice_mappings"]):
-                    adam = saved["base_optimizer_state"]["state"][g]
-                    flat = {"fp32": saved["single_partition_of_fp32_groups"][g], **{k: adam[k] for k in ADAM_KEYS}}
-                    steps.add(float(adam["step"]))
-                    for name, fragment in mapping.items():
-                        for key, values in flat.items():
-                            pieces[name][key].append(values.narrow(0, fragment.start, fragment.numel))
-            for name, by_key in pieces.items():
-                shards[_model_name(name, pp > 1, cfg.n_layers)][t] = {k: torch.cat(v).view(shapes[name]) for k, v in by_key.items()}
+    for stage in range(layout["pipe"]):
+        if weights is None:
+            shards = _zero12_stage(checkpoint, layout, cfg, stage, steps)
+        else:
+            shards = _zero0_stage(checkpoint, layout, cfg, stage, steps, weights)
         for name, per_tp in shards.items():
             if (out / f"{name}.safetensors").exists():   # a tied copy on the last stage: written by the first
                 continue
-            merged = {k: merge_state_dicts([{name: s[k]} for s in per_tp], cfg)[name] for k in ("fp32", *ADAM_KEYS)}
-            save_file(merged, str(out / f"{name}.safetensors"))
+            if any(s is None for s in per_tp):
+                raise CheckpointError(f"{checkpoint}: {name} is missing from some TP ranks' optimizer state.")
+            merged = {k: merge_state_dicts([{name: s[k].float()} for s in per_tp], cfg)[name]
+                      for k in ("fp32", *ADAM_KEYS)}
+            save_file({k: v.contiguous() for k, v in merged.items()}, str(out / f"{name}.safetensors"))
             written += 1
     if len(steps) != 1:
         raise CheckpointError(f"{checkpoint}: Adam's step differs between parameter groups ({sorted(steps)}).")
@@ -282,10 +326,14 @@ def convert(source: Path, output: Path, tensor_parallel: int | None = None,
     check_target_layout(client.model_config(), tensor_parallel, pipeline_parallel, folder)
     if client.weights_only:
         raise CheckpointError(f"{folder} holds weights only (an import): there is no optimizer state to convert.")
-    if client.layout is None or client.layout["zero_stage"] == 0:
-        raise CheckpointError(f"{folder} was saved at ZeRO-0, whose optimizer file does not name its "
-                              f"parameters: resume it once at its saving layout with "
-                              f"train.reshardable_optimizer=true and save, instead of converting.")
+    if client.layout is None:
+        raise CheckpointError(f"{folder} has no layout record (written before records existed): resume it "
+                              f"once at its saving layout with train.reshardable_optimizer=true and save, "
+                              f"instead of converting.")
+    if client.layout["zero_stage"] == 3:
+        raise CheckpointError(f"{folder} was saved at ZeRO-3, whose optimizer files hold flat partitions "
+                              f"without parameter boundaries: resume it at its saving layout, or load its "
+                              f"weights at another layout with train.load_optimizer=false.")
     created = not output.exists()
     staging = staging_folder(output, folder.name)
     try:

@@ -32,7 +32,7 @@ from ..config import ffn_hidden_size
 from ..errors import BadOptionError, OutputExistsError, UserError
 from ..checkpoint.files import (CLIENT_STATE, ClientState, model_config_dict, model_config_from_dict,
                                 read_client_state, tag_for)
-from ..checkpoint.read import CheckpointNotFoundError, checkpoint_folder, read_model_state, write_weights_only
+from ..checkpoint.read import checkpoint_folder, read_model_state, write_weights_only
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
 from ..data.tokenizer import find_tokenizer

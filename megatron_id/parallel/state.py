@@ -18,9 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .layout import LayoutError, check_sizes
-
-ParallelConfigError = LayoutError   # TEMPORARY while tensor_parallel.py is edited elsewhere; removed before commit
+from .layout import check_sizes
 
 
 @dataclass

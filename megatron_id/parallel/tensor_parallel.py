@@ -23,20 +23,19 @@ outputs are reduce-scattered.
 from __future__ import annotations
 
 import itertools
-import math
 import re
 
 import torch
 from torch import nn
 
-from ..config import Mixer, ModelConfig, ffn_hidden_size
+from ..config import Mixer, ModelConfig
 from ..model.language_model import LanguageModel
 from ..model.layers import Embedding, Linear, RMSNorm
 from ..model.roles import Role, Split, parameter_roles
 from . import mappings
 from .layers import (ColumnParallelLinear, PartialGradRMSNorm, RowParallelLinear,
                      VocabParallelEmbedding, group_size, shard_parameter)
-from .state import ParallelConfigError
+from .layout import check_model_split, padded_vocab_size
 
 # ---------------------------------------------------------------- the declared roles by name
 
@@ -98,31 +97,6 @@ def partition_dim(name: str, cfg: ModelConfig | None = None) -> int | None:
     """The dim along which parameter `name` (a model state-dict key) is split; None = replicated.
     Pass the model config where there is one: a name it does not build is then an error."""
     return parameter_role(name, cfg).split.dim
-
-
-def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
-    """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by x TP (0: no padding)."""
-    if cfg.make_vocab_size_divisible_by == 0:
-        return cfg.vocab_size
-    multiple = cfg.make_vocab_size_divisible_by * tp
-    return math.ceil(cfg.vocab_size / multiple) * multiple
-
-
-def check_divisibility(cfg: ModelConfig, tp: int) -> None:
-    """Everything TP splits must split evenly; raise before any computation otherwise."""
-    problems = []
-    if cfg.n_heads % tp:
-        problems.append(f"model.n_heads={cfg.n_heads} is not divisible by tensor parallel size {tp} "
-                        f"(each rank keeps whole heads); use a TP size that divides {cfg.n_heads}")
-    if ffn_hidden_size(cfg) % tp:
-        problems.append(f"the SwiGLU hidden size {ffn_hidden_size(cfg)} is not divisible by tensor "
-                        f"parallel size {tp}; set model.ffn_hidden to a multiple of {tp}")
-    if padded_vocab_size(cfg, tp) % tp:
-        problems.append(f"model.vocab_size={cfg.vocab_size} is not divisible by tensor parallel size "
-                        f"{tp} and vocabulary padding is off (model.make_vocab_size_divisible_by=0); "
-                        f"set model.make_vocab_size_divisible_by=128 (Megatron's default) to pad")
-    if problems:
-        raise ParallelConfigError("; ".join(problems) + ".")
 
 
 def _gather_sequence_hook(group):
@@ -189,7 +163,7 @@ def parallelize(model: nn.Module, group, *, sequence_parallel: bool = False) -> 
     sequence length must be divisible by the TP size.
     """
     cfg, tp = model.cfg, group_size(group)
-    check_divisibility(cfg, tp)
+    check_model_split(cfg, tp)
     vocab = padded_vocab_size(cfg, tp)
     sp = sequence_parallel
     roles = parameter_roles(model)
@@ -231,7 +205,7 @@ def parallelize(model: nn.Module, group, *, sequence_parallel: bool = False) -> 
 
 def split_state_dict(full: dict, cfg: ModelConfig, tp: int) -> list[dict]:
     """A TP=1 state dict -> one state dict per TP rank (vocabulary padded for this TP)."""
-    check_divisibility(cfg, tp)
+    check_model_split(cfg, tp)
     vocab = padded_vocab_size(cfg, tp)
     shards = [{} for _ in range(tp)]
     for name, tensor in full.items():

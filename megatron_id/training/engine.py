@@ -1,9 +1,9 @@
-"""The training loop on DeepSpeed: tensor x pipeline x data parallelism, ZeRO 0/1/2.
+"""The training loop on DeepSpeed: tensor x pipeline x data parallelism, ZeRO 0/1/2/3.
 
     trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
     trainer.train()                   # resumes from train.load; saves to train.save
 
-Engines: PP = 1 uses DeepSpeed's plain engine (ZeRO 0/1/2) with the tensor-parallel model and
+Engines: PP = 1 uses DeepSpeed's plain engine (ZeRO 0/1/2/3) with the tensor-parallel model and
 our `parallel.state` as mpu; PP > 1 uses its PipelineEngine (1F1B schedule, ZeRO 0/1) on the
 PipelineModule of parallel/pipeline.py, whose grid comes from the same topology.
 
@@ -11,7 +11,7 @@ Order of a step: the scheduled LR (in tokens) is applied to every group (the SSM
 then `gradient_accumulation` micro-batches go through forward (bf16 autocast when
 train.precision=bf16; the SSM core runs in float32 regardless), the vocab-parallel loss and
 backward; at the accumulation boundary gradients are averaged over data parallelism, clipped
-(ZeRO-0: by GuardedAdamW, ZeRO-1/2: by DeepSpeed) and applied, unless any loss or gradient was
+(ZeRO-0: by GuardedAdamW, ZeRO-1/2/3: by DeepSpeed) and applied, unless any loss or gradient was
 not finite: then the update is skipped on every rank, counted, and train.max_nonfinite_in_a_row
 skipped steps in a row stop the run with NonFiniteTrainingError (naming the step and the last
 good checkpoint). The returned loss is the mean over the global batch.
@@ -101,7 +101,8 @@ class Trainer:
         # ZeRO-0: the guard computes the norm and clips (DeepSpeed's fp32 path would apply a
         # NaN step and reports no norm); ZeRO-1/2/3: DeepSpeed clips and skips, the guard checks
         # (it steps each parameter group, at ZeRO-3 each sub-group, as a separate call).
-        self.guard = GuardedAdamW(parameter_groups(model, o), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+        zero0 = cfg.train.zero_stage == 0   # ZeRO-0 saves the guard's own state dict: name its parameters
+        self.guard = GuardedAdamW(parameter_groups(model, o, named=zero0), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps, clip_grad=o.clip_grad if cfg.train.zero_stage == 0 else None,
                                   tp_rank=dist.get_rank(self.tp_group), data_parallel=self.layout.data)
         optimizer = self.guard
@@ -236,6 +237,7 @@ class Trainer:
         if self.pipelined:   # DeepSpeed runs the 1F1B schedule over gradient_accumulation micro-batches
             with self._autocast(self.device):
                 loss = self.engine.train_batch(self._pipeline_batches(self.train_data, self.sampler))
+            self.guard.end_of_step()
             self.step += 1
             return loss.item()
         total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
@@ -244,6 +246,7 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
+        self.guard.end_of_step()
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.step += 1
         return total.item() / (self.layout.gradient_accumulation * self.layout.data)

@@ -33,13 +33,16 @@ def groups_by_name(model: nn.Module) -> dict[str, Group]:
     return groups
 
 
-def parameter_groups(model: nn.Module, opt) -> list[dict]:
-    """AdamW parameter groups; each carries `name` and `max_lr` for the scheduler."""
+def parameter_groups(model: nn.Module, opt, named: bool = False) -> list[dict]:
+    """AdamW parameter groups; each carries `name` and `max_lr` for the scheduler.
+    named: give the optimizer (name, parameter) pairs, so that its state dict names its
+    parameters (`param_names`, torch's own field): what lets convert-checkpoint move a ZeRO-0
+    checkpoint's optimizer state to another layout."""
     group = groups_by_name(model)
     members = {g: [] for g in Group}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            members[group[name]].append(param)
+            members[group[name]].append((name, param) if named else param)
     settings = {Group.DECAY: (opt.weight_decay, math.inf), Group.NO_DECAY: (0.0, math.inf),
                 Group.SSM: (0.0, opt.ssm_lr_max)}
     return [{"params": params, "name": g.value, "weight_decay": settings[g][0], "max_lr": settings[g][1]}
@@ -95,6 +98,12 @@ class GuardedAdamW(torch.optim.AdamW):
         self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad
         return loss
 
+    def end_of_step(self) -> None:
+        """The trainer calls this after each global batch: the batch's loss veto applies to every
+        step() call of that batch (one per parameter group under ZeRO; none at all when
+        DeepSpeed skipped the step for a non-finite gradient norm) and to no later batch."""
+        self._nonfinite_losses = None
+
     @torch.no_grad()
     def step(self, closure=None):
         import torch.distributed as dist
@@ -112,8 +121,8 @@ class GuardedAdamW(torch.optim.AdamW):
                     flag += g.float().pow(2).sum()
         if self._nonfinite_losses is not None:
             bad_loss = self._nonfinite_losses.to(device) > 0
-            flag += torch.where(bad_loss, math.inf, 0.0)
-            self._nonfinite_losses = None
+            flag += torch.where(bad_loss, math.inf, 0.0)   # kept for the batch's other groups:
+            # DeepSpeed's ZeRO calls step() once per parameter group; end_of_step() clears it
         if dist.is_initialized():
             dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
         total = flag.item()
