@@ -242,7 +242,7 @@ def cmd_job_prepare(args) -> int:
 
 
 def cmd_convert_checkpoint(args) -> int:
-    """Add the re-shardable optimizer state to a checkpoint written without it (ZeRO-1/2), in a
+    """Add the re-shardable optimizer state to a checkpoint written without it (ZeRO-0/1/2), in a
     new folder: it then resumes WITH its optimizer state at any layout (checkpoint/reshard.py)."""
     from .checkpoint.reshard import FOLDER, convert
     folder = convert(args.input, args.output, args.tensor_parallel, args.pipeline_parallel)
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer")
     g.set_defaults(func=cmd_generate)
     cc = sub.add_parser("convert-checkpoint", allow_abbrev=False,
-                        help="copy a ZeRO-1/2 checkpoint with its optimizer state made loadable at any layout")
+                        help="copy a ZeRO-0/1/2 checkpoint with its optimizer state made loadable at any layout")
     cc.add_argument("--input", required=True, help="train.save folder (its latest) or iter_ folder")
     cc.add_argument("--output", required=True, help="a new folder (a train.save folder for train.load)")
     cc.add_argument("--tensor-parallel", type=int, default=None,

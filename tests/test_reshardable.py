@@ -75,6 +75,12 @@ def test_optimizer_state_reshards_to_other_layouts(fineweb_prefix, tmp_path):
                          cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "cannot be loaded at --tensor-parallel 3" in bad.stderr, bad.stderr
     assert not converted.exists()
+    before = sorted(p.name for p in plain.iterdir())
+    inside = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input",
+                             str(plain / f"iter_{BEFORE:07d}"), "--output", str(plain / "converted")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert inside.returncode == 2 and "is the checkpoint being converted" in inside.stderr, inside.stderr
+    assert sorted(p.name for p in plain.iterdir()) == before   # nothing written into it
     done = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(plain),
                            "--output", str(converted), "--tensor-parallel", "1", "--pipeline-parallel", "1"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -21,6 +21,7 @@ from megatron_id.parallel import (ColumnParallelLinear, LayoutError, PartialGrad
                                   padded_vocab_size, parallelize, split_state_dict,
                                   vocab_parallel_cross_entropy)
 from megatron_id.parallel import state
+from megatron_id.parallel.tensor_parallel import TP_ATTRIBUTES, parallel_model
 
 TOL = 1e-5
 
@@ -259,11 +260,13 @@ def _model_at_tp(rank, world, cases):
         loss.backward()
         with torch.no_grad():
             logits = gather_logits(logits_local, group, cfg.vocab_size)
-        # the same shard built on the meta device and initialised afterwards (init slicing)
-        with torch.device("meta"):
-            late = LanguageModel(cfg, seed=None)
-        late = parallelize(late, group, sequence_parallel=sp).to_empty(device="cpu")
-        initialize(late, seed=7)
+        # the same shard as the trainer builds it: on the meta device, materialised and
+        # initialised afterwards (init slicing), ties and DeepSpeed's TP attributes kept
+        late = parallel_model(cfg, group, seed=7, sequence_parallel=sp)
+        assert (late.lm_head.weight is late.embed.weight) == cfg.tie_embeddings, name
+        attributes = lambda m: {n: {k: getattr(p, k, None) for k in TP_ATTRIBUTES}  # noqa: E731
+                                for n, p in m.named_parameters()}
+        assert attributes(late) == attributes(model), name
         out[name] = dict(logits=logits if rank == 0 else None, loss=loss.item(),
                          grads={n: p.grad for n, p in model.named_parameters()},
                          late_init={n: p.detach() for n, p in late.named_parameters()})

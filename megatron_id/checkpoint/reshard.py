@@ -306,14 +306,19 @@ def convert(source: Path, output: Path, tensor_parallel: int | None = None,
     import os
     import shutil
 
-    from ..errors import OutputExistsError
-    from .files import CLIENT_STATE, commit, finish_staging, latest_folder, read_client_state, staging_folder
+    from ..errors import OutputExistsError, refuse_output_inside
+    from .files import commit, finish_staging, read_client_state, staging_folder
     from .integrity import checkpoint_files, manifest_entries, verify_checkpoint, write_manifest
-    source, output = Path(source), Path(output)
-    folder = source if (source / CLIENT_STATE).is_file() else latest_folder(source)
-    if folder is None:
-        raise CheckpointError(f"{source} holds no checkpoint (no `latest`, no client_state.pt): give a "
-                              f"train.save folder or an iter_XXXXXXX folder.")
+    from .read import checkpoint_folder
+    source, output = Path(source), Path(output).resolve()
+    folder = checkpoint_folder(source)
+    sources = {source.resolve(), folder.resolve()}
+    if (folder.parent / "latest").is_file():   # an iter_ folder: its train.save root is the source too
+        sources.add(folder.parent.resolve())
+    for checkpoint in sorted(sources, key=lambda p: len(p.parts)):
+        refuse_output_inside(output, checkpoint, "the checkpoint being converted", "converted")
+    if output.exists() and not output.is_dir():
+        raise OutputExistsError(f"--output {output} is a file: give a new folder for the converted checkpoint.")
     if output.exists() and any(output.iterdir()):
         raise OutputExistsError(f"{output} exists and is not empty: give a new folder for the converted checkpoint.")
     problems = verify_checkpoint(folder)

@@ -114,7 +114,7 @@ def cross_layout_error(path: Path, saved: dict, current: dict) -> ConfigError:
         f"The weights can be re-sharded to this layout but its optimizer state cannot: DeepSpeed "
         f"partitions it by the saving layout, and the checkpoint has no re-shardable copy "
         f"(optim/, written by runs with train.reshardable_optimizer=true; `megatron-id "
-        f"convert-checkpoint` adds it to a ZeRO-1/2 checkpoint). Set train.load_optimizer=false to "
+        f"convert-checkpoint` adds it to a ZeRO-0/1/2 checkpoint). Set train.load_optimizer=false to "
         f"load the weights with fresh optimizer state (the step, data position and LR schedule "
         f"continue), or run at the saved layout to resume exactly.")
 

@@ -29,7 +29,7 @@ import torch
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import ffn_hidden_size
-from ..errors import BadOptionError, OutputExistsError, UserError
+from ..errors import BadOptionError, OutputExistsError, UserError, refuse_output_inside
 from ..checkpoint.files import (CLIENT_STATE, ClientState, model_config_dict, model_config_from_dict,
                                 read_client_state, tag_for)
 from ..checkpoint.read import checkpoint_folder, read_model_state, write_weights_only
@@ -186,14 +186,6 @@ def check_output(output: Path, overwrite: bool, what: str, why_not_ours) -> None
     if not overwrite:
         raise OutputExistsError(f"--output {output} already holds an earlier {what}: nothing was written. Add "
                                 f"--overwrite to replace it, or choose a new or empty folder.")
-
-
-def refuse_output_inside(output: Path, folder: Path, what: str, example: str) -> None:
-    """An output equal to or inside the folder it is made from would mix into it (and an
-    overwrite could delete it)."""
-    if output == folder or output.is_relative_to(folder):
-        raise OutputExistsError(f"--output {output} is {what} ({folder}) or inside it: nothing was written. "
-                                f"Choose a folder outside it, e.g. {folder.parent / example}.")
 
 
 def _sibling(output: Path, role: str) -> Path:

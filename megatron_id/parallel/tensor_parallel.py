@@ -31,6 +31,7 @@ from torch import nn
 from ..config import Mixer, ModelConfig
 from ..model.language_model import LanguageModel
 from ..model.layers import Embedding, Linear, RMSNorm
+from ..model.init import initialize
 from ..model.roles import Role, Split, parameter_roles
 from . import mappings
 from .layers import (ColumnParallelLinear, PartialGradRMSNorm, RowParallelLinear,
@@ -202,6 +203,46 @@ def parallelize(model: nn.Module, group, *, sequence_parallel: bool = False) -> 
 
 
 # ---------------------------------------------------------------- checkpoints
+
+# the attributes DeepSpeed reads from a tensor-parallel parameter (set by shard_parameter)
+TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def materialise(part: nn.Module, prefix: str, seed: int | None, device) -> nn.Module:
+    """A meta-device (parallelised) model or piece of it -> real memory, initialised as in the
+    whole model (`prefix`: its name there). Each parameter is drawn at full size and sliced
+    (init.py), one at a time, so no more than one full tensor exists at once. to_empty makes new
+    Parameter objects: the TP attributes DeepSpeed reads are carried over, and parameters
+    shared by several modules (tied embeddings) are shared again."""
+    owners: dict[int, list] = {}
+    for module in part.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    attributes = {name: {k: v for k, v in vars(p).items() if k in TP_ATTRIBUTES}
+                  for name, p in part.named_parameters()}
+    part.to_empty(device=device)
+    for (first, first_name), *others in owners.values():
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
+    for name, p in part.named_parameters():
+        for key, value in attributes[name].items():
+            setattr(p, key, value)
+    if seed is not None:
+        initialize(part, seed, prefix=prefix)
+    return part
+
+
+def parallel_model(cfg: ModelConfig, group, *, seed: int, sequence_parallel: bool = False,
+                   device="cpu") -> LanguageModel:
+    """This TP rank's shard of the LanguageModel of `cfg`, built without the whole model ever
+    existing: on the meta device, parallelised there, then materialised and initialised with
+    the same weights as LanguageModel(cfg, seed) cut by `parallelize`."""
+    with torch.device("meta"):
+        model = LanguageModel(cfg, seed=None)
+    parallelize(model, group, sequence_parallel=sequence_parallel)
+    return materialise(model, "", seed, device)
+
 
 def split_state_dict(full: dict, cfg: ModelConfig, tp: int) -> list[dict]:
     """A TP=1 state dict -> one state dict per TP rank (vocabulary padded for this TP)."""

@@ -45,8 +45,8 @@ from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, r
 from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
 from ..errors import UserError
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, parse_data_path
-from ..model import LanguageModel
-from ..parallel import parallelize, state, vocab_parallel_cross_entropy
+from ..parallel import state, vocab_parallel_cross_entropy
+from ..parallel.tensor_parallel import parallel_model
 from ..parallel.pipeline import pipeline_model
 from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
                           local_device_index, skip_deepspeed_shm_build, uses_cuda)
@@ -93,8 +93,10 @@ class Trainer:
                 loss_vocab=cfg.model.vocab_size, sequence_parallel=cfg.parallel.sequence_parallel,
                 activation_checkpointing=cfg.train.activation_checkpointing), None
         else:
-            model = parallelize(LanguageModel(cfg.model, seed=cfg.seed), self.tp_group,
-                                sequence_parallel=cfg.parallel.sequence_parallel)
+            # built on the meta device and materialised as this TP rank's shard: a rank never
+            # holds the whole model (its init draws one full-size tensor at a time)
+            model = parallel_model(cfg.model, self.tp_group, seed=cfg.seed,
+                                   sequence_parallel=cfg.parallel.sequence_parallel)
             model.activation_checkpointing = cfg.train.activation_checkpointing
             mpu = state
         o = cfg.optimizer
