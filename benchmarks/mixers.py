@@ -83,7 +83,7 @@ def worker_train(kind: str, N: int, reps: int, device_name: str) -> dict:
         q, k, v = (torch.randn(1, N, H, Dh, generator=g).to(device).requires_grad_() for _ in range(3))
         form = kind.split("_", 1)[1]
         kw = dict(chunk_size=cfg.chunk_size) if form == "chunked" else {}
-        fn = lambda: FORMS[form](q, k, v, *params, **kw).square().mean().backward()
+        fn = lambda: FORMS[form](q, k, v, *params, **kw)[0].square().mean().backward()
     else:
         layer = build_mixer(cfg, cfg.init_std, form="naive" if kind == "naive" else "chunked")
         initialize(layer, 0)

@@ -1,13 +1,17 @@
-"""Peak memory of loading re-shardable optimizer state (training/reshardable.py): a rank that
-loads its TP=4 slice of a checkpoint vs a rank that loads the whole model (TP=1).
+"""Peak memory of loading a checkpoint at another layout (megatron_id/checkpoint): a rank that
+loads its TP=4 slice vs a rank that loads the whole model (TP=1).
 
     python benchmarks/reshard_memory.py
 
 A model with 8 layers (d 256, 4 heads, vocabulary 50257) trains 1 step at TP=1 with
 train.reshardable_optimizer=true and saves; then, at TP=1 (1 rank) and at TP=4 (4 ranks), each
 rank builds its Trainer without loading, resets its peak (writing 5 to /proc/self/clear_refs:
-VmHWM := VmRSS), loads the optimizer state and weights with reshardable.load, and reports the
-rise of VmHWM over the RSS just before. Issue 12's target: a TP=4 rank below 0.5x the whole load.
+VmHWM := VmRSS), loads, and reports the rise of VmHWM over the RSS just before. Two loads:
+  optimizer   weights and Adam state from optim/ (reshard.load: what a resume at another
+              layout does)
+  weights     the weights alone from DeepSpeed's TP=1 model file (engine_io.load_weights:
+              train.load_optimizer=false, or a checkpoint without optim/)
+Issue 12's target: a TP=4 rank below 0.5x the whole load.
 """
 from __future__ import annotations
 
@@ -46,17 +50,22 @@ def _save(rank, world, items, ckpt):
     trainer.close()
 
 
-def _load(rank, world, items, folder):
+def _load(rank, world, items, folder, what):
     import gc
     from megatron_id.config import load_config
-    from megatron_id.training import reshardable
+    from megatron_id.checkpoint import engine_io, reshard
+    from megatron_id.checkpoint.files import read_client_state
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([], items))
+    saved = read_client_state(Path(folder)).layout
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status("VmRSS")
-    reshardable.load(trainer, Path(folder))
+    if what == "optimizer":
+        reshard.load(trainer, Path(folder))
+    else:
+        engine_io.load_weights(trainer, Path(folder), saved)
     peak = _status("VmHWM") - before
     params = sum(p.numel() for p in trainer.engine.module.parameters())
     trainer.close()
@@ -79,16 +88,18 @@ def main() -> int:
         folder = next(ckpt.glob("iter_*"))
         size = sum(p.stat().st_size for p in (folder / "optim").glob("*.safetensors"))
         print(f"optim/ of the 8-layer model: {size / MiB:.0f} MiB (fp32 weight + 2 Adam moments per parameter)")
-        print(f"{'layout':8} {'rank':>4} {'parameters':>11} {'peak rise MiB':>14} {'vs whole':>9}")
-        whole = None
-        for tp in (1, 4):
-            results = run_distributed(_load, tp, args=(_items(prefix, tp), folder), timeout=600)
-            for rank, (peak, params) in enumerate(results):
-                whole = whole if whole is not None else peak
-                print(f"{'TP=' + str(tp):8} {rank:>4} {params:>11,} {peak / MiB:>14.0f} {peak / whole:>9.2f}")
-            if tp == 4:
-                worst = max(peak for peak, _ in results) / whole
-                print(f"largest TP=4 rank / whole-model load: {worst:.2f} (target below 0.5)")
+        print(f"{'load':10} {'layout':8} {'rank':>4} {'parameters':>11} {'peak rise MiB':>14} {'vs whole':>9}")
+        for what in ("optimizer", "weights"):
+            whole = None
+            for tp in (1, 4):
+                results = run_distributed(_load, tp, args=(_items(prefix, tp), folder, what), timeout=600)
+                for rank, (peak, params) in enumerate(results):
+                    whole = whole if whole is not None else peak
+                    print(f"{what:10} {'TP=' + str(tp):8} {rank:>4} {params:>11,} {peak / MiB:>14.0f} "
+                          f"{peak / whole:>9.2f}")
+                if tp == 4:
+                    worst = max(peak for peak, _ in results) / whole
+                    print(f"{what}: largest TP=4 rank / whole-model load: {worst:.2f} (target below 0.5)")
     return 0
 
 

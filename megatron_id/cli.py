@@ -100,11 +100,12 @@ def cmd_check_checkpoint(args) -> int:
     """Verify checkpoint folders against their manifests offline: the one `latest` names (or
     every iter_ folder with --all, or the iter_ folder given). Exit 0 only when all are whole."""
     from pathlib import Path
-    from .training.checkpoint import CheckpointError, latest_folder, verify_checkpoint
+    from .checkpoint.files import CLIENT_STATE, STAGING, latest_folder
+    from .checkpoint.integrity import MANIFEST, CheckpointError, verify_checkpoint
     root = Path(args.path)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a folder: give a train.save folder or an iter_XXXXXXX folder.")
-    if (root / "manifest.json").is_file() or (root / "client_state.pt").is_file():
+    if (root / MANIFEST).is_file() or (root / CLIENT_STATE).is_file():
         folders = [root]
     elif args.all:
         folders = sorted(p for p in root.glob("iter_*") if p.is_dir())
@@ -113,7 +114,7 @@ def cmd_check_checkpoint(args) -> int:
     if not folders:
         raise CheckpointError(f"{root} holds no checkpoint (no `latest`, no iter_ folder): give a train.save "
                               f"folder or an iter_XXXXXXX folder.")
-    stale = sorted((root / ".incomplete").glob("iter_*"))
+    stale = sorted((root / STAGING).glob("iter_*"))
     for path in stale:
         print(f"note: {path} was left by an interrupted save (the next run into {root} removes it)")
     damaged = 0
@@ -150,8 +151,8 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .hf.export import BadOptionError
-    from .hf.generate import check_options, generate_ids, load_model_and_tokenizer, stream_text
+    from .errors import BadOptionError
+    from .generation import check_options, generate_ids, load_model_and_tokenizer, stream_text
     import torch
     # option values first: a bad one fails before the model is loaded
     check_options(args.max_new_tokens, args.temperature, args.top_k, args.prefill_chunk_size)
@@ -241,10 +242,10 @@ def cmd_job_prepare(args) -> int:
 
 
 def cmd_convert_checkpoint(args) -> int:
-    """Add the re-shardable optimizer state to a checkpoint written without it (ZeRO-1/2), in a
-    new folder: it then resumes WITH its optimizer state at any layout (training/reshardable.py)."""
-    from .training.reshardable import FOLDER, convert
-    folder = convert(args.input, args.output)
+    """Add the re-shardable optimizer state to a checkpoint written without it (ZeRO-0/1/2), in a
+    new folder: it then resumes WITH its optimizer state at any layout (checkpoint/reshard.py)."""
+    from .checkpoint.reshard import FOLDER, convert
+    folder = convert(args.input, args.output, args.tensor_parallel, args.pipeline_parallel)
     print(f"{folder}: the checkpoint of {args.input} with its optimizer state per parameter in "
           f"{folder / FOLDER}; train from it at any layout with train.load={args.output}")
     return 0
@@ -309,9 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer")
     g.set_defaults(func=cmd_generate)
     cc = sub.add_parser("convert-checkpoint", allow_abbrev=False,
-                        help="copy a ZeRO-1/2 checkpoint with its optimizer state made loadable at any layout")
+                        help="copy a ZeRO-0/1/2 checkpoint with its optimizer state made loadable at any layout")
     cc.add_argument("--input", required=True, help="train.save folder (its latest) or iter_ folder")
     cc.add_argument("--output", required=True, help="a new folder (a train.save folder for train.load)")
+    cc.add_argument("--tensor-parallel", type=int, default=None,
+                    help="the TP size you will load at: checked against the model before converting")
+    cc.add_argument("--pipeline-parallel", type=int, default=None,
+                    help="the PP size you will load at: checked against the model before converting")
     cc.set_defaults(func=cmd_convert_checkpoint)
     j = sub.add_parser("job-prepare", allow_abbrev=False,
                        help="(for job scripts) resolve, record and check a training config before srun")

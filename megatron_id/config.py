@@ -107,7 +107,7 @@ class TrainConfig:
     global_batch_size: int = 128
     train_tokens: int = 2_500_000_000
     precision: Precision = Precision.bf16
-    zero_stage: int = 1
+    zero_stage: int = 1               # 0-3; 2 and 3 with pipeline parallel size 1 only (parallel/layout.py)
     activation_checkpointing: bool = False
     log_interval: int = 10
     eval_interval: int = 1000
@@ -117,9 +117,9 @@ class TrainConfig:
     load: Optional[str] = None        # checkpoint folder to resume from
     load_optimizer: bool = True       # false: weights only, Adam starts afresh
     # also save the optimizer state per parameter in single-device form (<checkpoint>/optim/,
-    # training/reshardable.py), so that the checkpoint resumes WITH it at any other TP/PP/DP/ZeRO
-    # layout; costs 3 x fp32 parameters of disk per checkpoint [our choice: off until the
-    # checkpoint component of issue 12 makes it the one format]
+    # checkpoint/reshard.py), so that the checkpoint resumes WITH it at any other TP/PP/DP/ZeRO
+    # layout; costs 3 x fp32 parameters of disk per checkpoint, written by one rank per stage
+    # [our choice: off; `megatron-id convert-checkpoint` adds optim/ offline when a layout changes]
     reshardable_optimizer: bool = False
     keep_last: int = 3
     tensorboard_dir: Optional[str] = None

@@ -32,6 +32,18 @@ class OutputExistsError(UserError, FileExistsError):
     """An output target exists and is not ours to replace (or --overwrite was not given)."""
 
 
+class BadOptionError(UserError, ValueError):
+    """An option value that cannot work: the option, the value and the valid range."""
+
+
+def refuse_output_inside(output, folder, what: str, example: str) -> None:
+    """An output equal to or inside the folder it is made from would mix into it (and an
+    overwrite could delete it)."""
+    if output == folder or output.is_relative_to(folder):
+        raise OutputExistsError(f"--output {output} is {what} ({folder}) or inside it: nothing was written. "
+                                f"Choose a folder outside it, e.g. {folder.parent / example}.")
+
+
 def _rank() -> tuple[int, int]:
     env = os.environ
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))

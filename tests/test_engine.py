@@ -252,11 +252,12 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(fineweb_prefix, tm
 
 
 def _train_and_save(rank, world, items, path):
+    from megatron_id.checkpoint.engine_io import current_layout
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
     losses = [trainer.train_step() for _ in range(STEPS)]
     trainer.save_checkpoint(path)
-    return losses, trainer._layout_record()
+    return losses, current_layout(trainer)
 
 
 @pytest.mark.slow
@@ -265,7 +266,7 @@ def test_tied_embeddings_across_pipeline_stages(fineweb_prefix, tmp_path):
     TiedLayerSpec) and its two gradients are summed. Losses and the trained weights (read back
     from each layout's checkpoint as one TP=1 state dict) equal the single-process run's."""
     import torch
-    from megatron_id.training.checkpoint import read_model_state
+    from megatron_id.checkpoint.read import read_model_state
     cfg = load_config([CONFIGS / "model" / "tiny.yaml"], overrides(fineweb_prefix, 1, 0) + ["model.tie_embeddings=true"])
     runs = {}
     for tp, pp, world, zero in [(1, 1, 1, 0), (1, 2, 2, 1), (2, 2, 4, 0)]:

@@ -150,7 +150,7 @@ def test_export_with_a_missing_tokenizer(checkpoint, tmp_path):
 
 
 def test_a_recorded_tokenizer_that_moved_is_named(tmp_path):
-    from megatron_id.hf.export import TokenizerNotFoundError, find_tokenizer
+    from megatron_id.data.tokenizer import TokenizerNotFoundError, find_tokenizer
     with pytest.raises(TokenizerNotFoundError, match=r"records no tokenizer .*pass --tokenizer"):
         find_tokenizer(None, None, tmp_path)
     with pytest.raises(TokenizerNotFoundError, match=r"old/tok.json \(recorded in .*\) not found: it was moved"):
@@ -244,8 +244,8 @@ def test_generate_refuses_bad_inputs(export, tmp_path):
 
 
 def test_generation_options_are_checked():
-    from megatron_id.hf.export import BadOptionError
-    from megatron_id.hf.generate import check_options, generate_ids
+    from megatron_id.errors import BadOptionError
+    from megatron_id.generation import check_options, generate_ids
     check_options(0, 0.0, 0, 1)
     for args, option in [((5, -1.0, 0, 8), "--temperature"), ((5, float("nan"), 0, 8), "--temperature"),
                          ((5, 0.0, -2, 8), "--top-k"), ((5, 0.0, 0, 0), "--prefill-chunk-size")]:
@@ -281,11 +281,12 @@ def test_overwrite_replaces_an_earlier_export_with_a_fresh_one(checkpoint, expor
 @pytest.mark.slow
 def test_overwrite_replaces_an_earlier_import(export, tmp_path):
     from megatron_id.hf.export import import_hf
-    from megatron_id.training.checkpoint import read_client_state, verify_checkpoint
+    from megatron_id.checkpoint.files import read_client_state
+    from megatron_id.checkpoint.integrity import verify_checkpoint
     out = import_hf(export, tmp_path / "imported", tensor_parallel=1)
     import_hf(export, out, tensor_parallel=2, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000000", "latest"]
-    assert read_client_state(out / "iter_0000000")["layout"]["tensor"] == 2
+    assert read_client_state(out / "iter_0000000").layout["tensor"] == 2
     assert verify_checkpoint(out / "iter_0000000") == []   # its manifest covers every file
     assert hidden_leftovers(tmp_path) == []
 
@@ -317,13 +318,14 @@ def test_a_failed_overwrite_leaves_the_old_export_intact(checkpoint, export, tmp
 
 @pytest.mark.slow
 def test_a_failed_import_leaves_the_old_import_intact(export, tmp_path, monkeypatch):
+    import megatron_id.checkpoint.read as checkpoint_read
     import megatron_id.hf.export as hf_export
     out = hf_export.import_hf(export, tmp_path / "imported")
     before = snapshot(tmp_path)
 
     def write_client_state(folder, client):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(hf_export, "write_client_state", write_client_state)
+    monkeypatch.setattr(checkpoint_read, "write_client_state", write_client_state)
     with pytest.raises(OSError, match="No space left"):
         hf_export.import_hf(export, out, tensor_parallel=2, overwrite=True)
     assert snapshot(tmp_path) == before

@@ -46,7 +46,7 @@ def run_form(form, tensors, state, readout, chunk_size):
     out, final = FORMS[form](tensors["q"], tensors["k"], tensors["v"], tensors["log_dt"],
                              tensors["a_log"], tensors["a_im"], tensors["c_re"], tensors["c_im"],
                              readout=readout, c_vec=tensors.get("c_vec"), initial_state=state,
-                             return_final_state=True, **kw)
+                             output_final_state=True, **kw)
     g = torch.Generator().manual_seed(99)
     weight = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
     w_state = torch.randn(final.shape, generator=g, dtype=torch.complex128).to(final.dtype)
@@ -174,8 +174,9 @@ def test_core_runs_in_float32_under_bf16_autocast(tiny_config):
     qkv = [tensors[n].detach().to(torch.bfloat16) for n in ("q", "k", "v")]
     params = [tensors[n].detach() for n in ("log_dt", "a_log", "a_im", "c_re", "c_im")]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = FORMS["chunked"](*qkv, *params, chunk_size=16)
-    reference = FORMS["chunked"](*[t.float() for t in qkv], *params, chunk_size=16)
+        out, no_state = FORMS["chunked"](*qkv, *params, chunk_size=16)
+    reference, _ = FORMS["chunked"](*[t.float() for t in qkv], *params, chunk_size=16)
+    assert no_state is None   # the final state only when asked for
     assert out.dtype == torch.float32
     assert relative_error(out, reference) < 1e-6
     # and a whole layer under autocast stays close to its float32 self

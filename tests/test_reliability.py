@@ -97,6 +97,17 @@ def test_a_new_run_never_takes_over_an_existing_history(fineweb_prefix, tmp_path
 
 
 @pytest.mark.slow
+def test_a_resume_with_another_global_batch_is_refused(fineweb_prefix, tmp_path, history):
+    """The data position is step x global batch: another global batch would re-read or skip data."""
+    ckpt = _copy(history, tmp_path / "ckpt")
+    items = [i for i in train_items(fineweb_prefix, f"train.save={ckpt}", f"train.load={ckpt}")
+             if not i.startswith(("train.global_batch_size", "train.micro_batch_size"))]
+    refused(train_command(*items, "train.micro_batch_size=2", "train.global_batch_size=4"),
+            mention=r"trained with train.global_batch_size=2 \(4 samples in 2 steps\).*set train.global_batch_size=2",
+            unchanged=[tmp_path])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["foreign-files", "is-a-file", "iter-folder-as-load", "latest-dangling",
                                   "orphan-iter-folders"])
 def test_folders_that_are_not_ours_are_refused(fineweb_prefix, tmp_path, history, case):
@@ -142,7 +153,7 @@ def test_a_flipped_byte_in_a_shard_is_refused_with_the_file_named(fineweb_prefix
 
 
 def test_verify_checkpoint_names_truncated_missing_and_unlisted_files(tmp_path):
-    from megatron_id.training.checkpoint import manifest_entries, verify_checkpoint, write_manifest
+    from megatron_id.checkpoint.integrity import manifest_entries, verify_checkpoint, write_manifest
     folder = tmp_path / "iter_0000001"
     folder.mkdir()
     for name, size in [("a.pt", 100), ("b.pt", 50), ("c.pt", 10)]:
@@ -160,7 +171,7 @@ def test_verify_checkpoint_names_truncated_missing_and_unlisted_files(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_live_run_cannot_write_the_same_folder(fineweb_prefix, tmp_path, history):
-    from megatron_id.training.checkpoint import SaveLock
+    from megatron_id.checkpoint.rules import SaveLock
     ckpt = _copy(history, tmp_path / "ckpt")
     lock = SaveLock(ckpt)   # a live run (this process) holds it
     try:
@@ -279,7 +290,7 @@ def test_a_signal_to_torchrun_makes_every_worker_save_and_stop(fineweb_prefix, t
     """SIGTERM: torchrun forwards it. SIGUSR1: torchrun has no handler and dies; its workers
     get SIGTERM from the kernel (PR_SET_PDEATHSIG) instead of training on as orphans. Either
     way every worker saves a checkpoint and exits, and the folder is free for the next run."""
-    from megatron_id.training.checkpoint import SaveLock
+    from megatron_id.checkpoint.rules import SaveLock
     log, ckpt = tmp_path / "log", tmp_path / "ckpt"
     items = train_items(fineweb_prefix, "train.train_tokens=1000000", "train.log_interval=1",
                         "train.global_batch_size=4", f"train.save={ckpt}", "train.save_interval=100000")

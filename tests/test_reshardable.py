@@ -1,4 +1,4 @@
-"""Optimizer state that moves between layouts (training/reshardable.py, the start of issue 12):
+"""Optimizer state that moves between layouts (checkpoint/reshard.py, issue 12):
 3 steps at (TP, PP, DP, ZeRO) = (2, 2, 1, 1) with train.reshardable_optimizer=true, save, then
 continue at (1, 1, 2, 2), (2, 1, 1, 0) and (1, 2, 2, 1) WITH the optimizer state: the next 5
 losses equal those of the uninterrupted run at the saving layout within 1e-5 relative. Loading
@@ -69,8 +69,21 @@ def test_optimizer_state_reshards_to_other_layouts(fineweb_prefix, tmp_path):
     entries["files"] = {k: v for k, v in entries["files"].items() if not k.startswith("optim/")}
     manifest.write_text(json.dumps(entries))
     converted = tmp_path / "converted"
+    # a target layout that cannot split the model (4 heads) is refused before anything is written
+    bad = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(plain),
+                          "--output", str(converted), "--tensor-parallel", "3"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "cannot be loaded at --tensor-parallel 3" in bad.stderr, bad.stderr
+    assert not converted.exists()
+    before = sorted(p.name for p in plain.iterdir())
+    inside = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input",
+                             str(plain / f"iter_{BEFORE:07d}"), "--output", str(plain / "converted")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert inside.returncode == 2 and "is the checkpoint being converted" in inside.stderr, inside.stderr
+    assert sorted(p.name for p in plain.iterdir()) == before   # nothing written into it
     done = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(plain),
-                           "--output", str(converted)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                           "--output", str(converted), "--tensor-parallel", "1", "--pipeline-parallel", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert not (plain / f"iter_{BEFORE:07d}" / "optim").exists()
     new = converted / f"iter_{BEFORE:07d}" / "optim"
@@ -91,3 +104,60 @@ def test_optimizer_state_reshards_to_other_layouts(fineweb_prefix, tmp_path):
     fresh = run_distributed(_load_then_continue, 2, timeout=300, args=(
         items(fineweb_prefix, 1, 1, 2, f"train.load={ckpt}", "train.load_optimizer=false"),))[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(fresh, reference)) > 1e-3
+
+
+@pytest.mark.slow
+def test_tied_embeddings_reshard_across_pipeline_stages(fineweb_prefix, tmp_path):
+    """model.tie_embeddings at PP=2: the matrix lives on the first and the last stage; its state
+    is stored once (embed.weight) and loads into PP=1 (one matrix) and back into PP=2."""
+    ckpt = tmp_path / "ckpt"
+    tied = "model.tie_embeddings=true"
+    reference = run_distributed(_save_then_continue, 2, timeout=300, args=(
+        items(fineweb_prefix, 1, 2, 1, tied, f"train.save={ckpt}", "train.reshardable_optimizer=true"), ckpt))[0]
+    optim = ckpt / f"iter_{BEFORE:07d}" / "optim"
+    assert (optim / "embed.weight.safetensors").is_file() and not (optim / "lm_head.weight.safetensors").exists()
+    for tp, pp, dp, zero in [(1, 1, 2, 2), (2, 2, 1, 0)]:
+        losses = run_distributed(_load_then_continue, tp * pp * dp, timeout=300, args=(
+            items(fineweb_prefix, tp, pp, zero, tied, f"train.load={ckpt}"),))[0]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+        assert worst <= 1e-5, ((tp, pp, dp, zero), losses, reference)
+    # ZeRO-3 keeps no whole parameter to set the state into: refused with the ways out
+    from distributed import RankError
+    with pytest.raises(RankError, match="cannot be loaded into ZeRO-3.*train.load_optimizer=false"):
+        run_distributed(_load_then_continue, 2, timeout=300, args=(
+            items(fineweb_prefix, 1, 1, 3, tied, f"train.load={ckpt}"),))
+
+
+def _convert(plain, converted):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    return subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(plain),
+                           "--output", str(converted)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+@pytest.mark.slow
+def test_zero0_and_zero2_checkpoints_reshard(fineweb_prefix, tmp_path):
+    """The other saving ZeRO stages: a ZeRO-0 checkpoint at TP=2 x PP=2 written WITHOUT optim/
+    is converted offline (GuardedAdamW's state dict names its parameters at ZeRO-0) and
+    continues at (1, 1, 2, 2); a ZeRO-2 run at DP=2 writes optim/ itself and continues at
+    (2, 1, 1, 0). Each continuation's losses equal its uninterrupted run's within 1e-5."""
+    zero0 = tmp_path / "zero0"
+    reference = run_distributed(_save_then_continue, 4, timeout=300, args=(
+        items(fineweb_prefix, 2, 2, 0, f"train.save={zero0}"), zero0))[0]
+    assert not (zero0 / f"iter_{BEFORE:07d}" / "optim").exists()
+    converted = tmp_path / "zero0-converted"
+    done = _convert(zero0, converted)
+    assert done.returncode == 0, done.stderr
+    losses = run_distributed(_load_then_continue, 2, timeout=300, args=(
+        items(fineweb_prefix, 1, 1, 2, f"train.load={converted}"),))[0]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    assert worst <= 1e-5, (losses, reference)
+
+    zero2 = tmp_path / "zero2"
+    reference = run_distributed(_save_then_continue, 2, timeout=300, args=(
+        items(fineweb_prefix, 1, 1, 2, f"train.save={zero2}", "train.reshardable_optimizer=true"), zero2))[0]
+    losses = run_distributed(_load_then_continue, 2, timeout=300, args=(
+        items(fineweb_prefix, 2, 1, 0, f"train.load={zero2}"),))[0]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    assert worst <= 1e-5, (losses, reference)

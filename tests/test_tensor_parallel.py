@@ -15,12 +15,13 @@ from megatron_id.config import load_config
 from megatron_id.model import LanguageModel, lm_loss
 from megatron_id.model.init import initialize
 from megatron_id.model.layers import Embedding, Linear, RMSNorm
-from megatron_id.parallel import (ColumnParallelLinear, ParallelConfigError, PartialGradRMSNorm,
-                                  RowParallelLinear, VocabParallelEmbedding, check_divisibility,
-                                  check_parallel_sizes, gather_logits, merge_state_dicts,
+from megatron_id.parallel import (ColumnParallelLinear, LayoutError, PartialGradRMSNorm,
+                                  RowParallelLinear, VocabParallelEmbedding, check_layout,
+                                  check_model_split, check_sizes, gather_logits, merge_state_dicts,
                                   padded_vocab_size, parallelize, split_state_dict,
                                   vocab_parallel_cross_entropy)
 from megatron_id.parallel import state
+from megatron_id.parallel.tensor_parallel import TP_ATTRIBUTES, parallel_model
 
 TOL = 1e-5
 
@@ -60,24 +61,26 @@ def test_a_hung_run_times_out():
 # ---------------------------------------------------------------- errors before computation
 
 def test_layouts_that_cannot_work_are_refused_up_front():
-    with pytest.raises(ParallelConfigError, match="world size 6 does not factor into TP=4 x PP=1"):
-        check_parallel_sizes(6, tensor=4)
-    with pytest.raises(ParallelConfigError, match="world size 8 .* TP=2 x PP=3"):
-        check_parallel_sizes(8, tensor=2, pipe=3)
-    assert check_parallel_sizes(8, tensor=2, pipe=2) == 2
-    with pytest.raises(ParallelConfigError, match="model.n_heads=4 is not divisible by tensor parallel size 3"):
-        check_divisibility(tiny(), 3)
-    with pytest.raises(ParallelConfigError, match="model.n_heads=4 .* size 8"):
-        check_parallel_sizes(8, tensor=8, model_cfg=tiny())
-    with pytest.raises(ParallelConfigError, match="model.vocab_size=502 is not divisible by tensor parallel size 4"):
-        check_divisibility(tiny("model.vocab_size=502", "model.make_vocab_size_divisible_by=0"), 4)
-    with pytest.raises(ParallelConfigError, match="SwiGLU hidden size 250"):
-        check_divisibility(tiny("model.ffn_hidden=250"), 4)
-    # parallelize checks before touching the model
+    with pytest.raises(LayoutError, match="world size 6 does not factor into TP=4 x PP=1"):
+        check_sizes(6, tensor=4)
+    with pytest.raises(LayoutError, match="world size 8 .* TP=2 x PP=3"):
+        check_sizes(8, tensor=2, pipe=3)
+    assert check_sizes(8, tensor=2, pipe=2) == 2
+    with pytest.raises(LayoutError, match="model.n_heads=4 is not divisible by tensor parallel size 3"):
+        check_model_split(tiny(), 3)
+    with pytest.raises(LayoutError, match="model.n_heads=4 .* size 8"):
+        check_layout(tiny(), 8, tensor=8, pipe=1, zero_stage=0)
+    with pytest.raises(LayoutError, match="model.vocab_size=502 is not divisible by tensor parallel size 4"):
+        check_model_split(tiny("model.vocab_size=502", "model.make_vocab_size_divisible_by=0"), 4)
+    with pytest.raises(LayoutError, match="SwiGLU hidden size 250"):
+        check_model_split(tiny("model.ffn_hidden=250"), 4)
+    with pytest.raises(LayoutError, match="model.n_layers=2 cannot be divided into .*=4"):
+        check_model_split(tiny(), 1, pipe=4)
+    # the split rules check before touching anything
     model = LanguageModel(tiny(), seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ParallelConfigError):
-        check_divisibility(model.cfg, 3)
+    with pytest.raises(LayoutError):
+        split_state_dict(model.state_dict(), model.cfg, 3)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -200,7 +203,7 @@ def _layers_against_torch(rank, world):
         with_error = None
         try:
             state.initialize_model_parallel(tensor_model_parallel_size=3)
-        except ParallelConfigError as err:
+        except LayoutError as err:
             with_error = str(err)
         layout["bad layout"] = with_error
         state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -257,11 +260,13 @@ def _model_at_tp(rank, world, cases):
         loss.backward()
         with torch.no_grad():
             logits = gather_logits(logits_local, group, cfg.vocab_size)
-        # the same shard built on the meta device and initialised afterwards (init slicing)
-        with torch.device("meta"):
-            late = LanguageModel(cfg, seed=None)
-        late = parallelize(late, group, sequence_parallel=sp).to_empty(device="cpu")
-        initialize(late, seed=7)
+        # the same shard as the trainer builds it: on the meta device, materialised and
+        # initialised afterwards (init slicing), ties and DeepSpeed's TP attributes kept
+        late = parallel_model(cfg, group, seed=7, sequence_parallel=sp)
+        assert (late.lm_head.weight is late.embed.weight) == cfg.tie_embeddings, name
+        attributes = lambda m: {n: {k: getattr(p, k, None) for k in TP_ATTRIBUTES}  # noqa: E731
+                                for n, p in m.named_parameters()}
+        assert attributes(late) == attributes(model), name
         out[name] = dict(logits=logits if rank == 0 else None, loss=loss.item(),
                          grads={n: p.grad for n, p in model.named_parameters()},
                          late_init={n: p.detach() for n, p in late.named_parameters()})

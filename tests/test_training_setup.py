@@ -141,10 +141,14 @@ def test_guarded_adamw_clips_and_vetoes_nonfinite_losses_and_gradients():
     p.grad = torch.ones(4)
     opt.step()
     assert opt.updates == 1 and torch.equal(p.detach(), before)
+    opt.step()                                            # the veto holds for the whole batch (ZeRO
+    assert opt.updates == 1 and torch.equal(p.detach(), before)   # calls step() once per group)...
+    opt.end_of_step()                                     # ...and ends with it
     p.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])  # finite loss, non-finite gradient
     opt.observe_loss(torch.tensor(2.0))
     opt.step()
     assert opt.updates == 1 and opt.last_grad_norm == math.inf and torch.equal(p.detach(), before)
+    opt.end_of_step()
     with torch.no_grad():                                 # evaluation losses are not observed
         opt.observe_loss(torch.tensor(float("nan")))
     p.grad = torch.ones(4)

@@ -13,6 +13,10 @@ class TokenizerError(UserError, ValueError):
     pass
 
 
+class TokenizerNotFoundError(UserError, FileNotFoundError):
+    """The tokenizer to export or generate with cannot be found."""
+
+
 def tokenizer_file(path) -> Path | None:
     """The tokenizer.json that --tokenizer names (a file, or a folder holding one), absolute;
     None when no path is given. Recorded in the dataset's .meta.json sidecar."""
@@ -56,3 +60,18 @@ def eod_id(tokenizer, token: str | None = None) -> int:
             return i
     raise TokenizerError(f"no end-of-document token in the vocabulary (tried {', '.join(candidates)}); "
                          f"name one with --eod-token.")
+
+
+def find_tokenizer(given, recorded, source: Path) -> Path:
+    """--tokenizer, else the one the checkpoint records; an error with the fix when neither is a file."""
+    fix = "pass --tokenizer path/to/tokenizer.json (the one the data was preprocessed with)"
+    if given:
+        if not Path(given).is_file():
+            raise TokenizerNotFoundError(f"--tokenizer {given} not found: {fix}.")
+        return Path(given)
+    if not recorded:
+        raise TokenizerNotFoundError(f"{source} records no tokenizer (data.tokenizer was not set in training): {fix}.")
+    if not Path(recorded).is_file():
+        raise TokenizerNotFoundError(f"tokenizer {recorded} (recorded in {source}) not found: it was moved or "
+                                     f"deleted; {fix}.")
+    return Path(recorded)

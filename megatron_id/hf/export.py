@@ -29,13 +29,13 @@ import torch
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import ffn_hidden_size
-from ..errors import OutputExistsError, UserError
-from ..parallel.pipeline import from_model_names, saved_pieces
-from ..parallel.state import ParallelConfigError
-from ..parallel.tensor_parallel import check_divisibility, split_state_dict
-from ..training.checkpoint import (CLIENT_STATE, checkpoint_files, commit, latest_folder, layer_file,
-                                   manifest_entries, model_config_dict, model_config_from_dict, module_file,
-                                   read_client_state, read_model_state, write_client_state, write_manifest)
+from ..errors import BadOptionError, OutputExistsError, UserError, refuse_output_inside
+from ..checkpoint.files import (CLIENT_STATE, ClientState, model_config_dict, model_config_from_dict,
+                                read_client_state, tag_for)
+from ..checkpoint.read import checkpoint_folder, read_model_state, write_weights_only
+from ..parallel.layout import LayoutError, check_model_split
+from ..parallel.tensor_parallel import split_state_dict
+from ..data.tokenizer import find_tokenizer
 from .bundle import bundle_source
 
 HERE = Path(__file__).resolve().parent
@@ -43,52 +43,11 @@ CODE_FILES = ("configuration_megatron_id.py", "modeling_megatron_id.py")
 # every file export_hf writes: a folder holding nothing else is an earlier export
 EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                           "tokenizer_config.json", "megatron_id_model.py", *CODE_FILES})
-IMPORT_TAG = "iter_0000000"   # import_hf writes step 0 only
-
-
-class CheckpointNotFoundError(UserError, FileNotFoundError):
-    """A --checkpoint that is missing, is not a training checkpoint, or lacks files it names."""
+IMPORT_TAG = tag_for(0)   # import_hf writes step 0 only
 
 
 class NotAnExportError(UserError, ValueError):
     """A folder that should be an export of ours and is not (or is damaged)."""
-
-
-class BadOptionError(UserError, ValueError):
-    """An option value that cannot work: the option, the value and the valid range."""
-
-
-class TokenizerNotFoundError(UserError, FileNotFoundError):
-    """The tokenizer to export or generate with cannot be found."""
-
-
-# ------------------------------------------------------------------ reading checkpoints
-
-def checkpoint_folder(path, also_export: bool = False) -> Path:
-    """A checkpoint root (with `latest`) or one iter_XXXXXXX folder -> the folder.
-    also_export: the caller (generate) accepts an exported folder too; the errors say so."""
-    path = Path(path)
-    accepted = "the train.save folder of a run (it holds `latest`) or one of its iter_XXXXXXX folders" + \
-        (", or a folder written by megatron-id export-hf" if also_export else "")
-    if not path.exists():
-        raise CheckpointNotFoundError(f"checkpoint {path} does not exist: give {accepted}.")
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint {path} is a file, not a checkpoint folder: give {accepted}.")
-    folder = latest_folder(path)   # its error names a `latest` that points nowhere, and the fix
-    if folder is not None:
-        return folder
-    if (path / CLIENT_STATE).is_file():
-        return path
-    raise CheckpointNotFoundError(f"{path} is not a training checkpoint: it has neither `latest` (a train.save "
-                                  f"folder) nor {CLIENT_STATE} (an iter_XXXXXXX folder). Give {accepted}.")
-
-
-def read_checkpoint(path, also_export: bool = False):
-    """A training checkpoint -> (its folder, client state, ModelConfig, TP=1 weights)."""
-    folder = checkpoint_folder(path, also_export)
-    client = read_client_state(folder)
-    cfg = model_config_from_dict(client["model"])
-    return folder, client, cfg, read_model_state(folder, cfg, client["layout"])
 
 
 # ------------------------------------------------------------------ reading exports
@@ -163,21 +122,6 @@ def _tokenizer_ids(tokenizer_file: Path) -> dict:
     return {"eos_token": tok.id_to_token(eos), "eos_token_id": eos}
 
 
-def find_tokenizer(given, recorded, source: Path) -> Path:
-    """--tokenizer, else the one the checkpoint records; an error with the fix when neither is a file."""
-    fix = "pass --tokenizer path/to/tokenizer.json (the one the data was preprocessed with)"
-    if given:
-        if not Path(given).is_file():
-            raise TokenizerNotFoundError(f"--tokenizer {given} not found: {fix}.")
-        return Path(given)
-    if not recorded:
-        raise TokenizerNotFoundError(f"{source} records no tokenizer (data.tokenizer was not set in training): {fix}.")
-    if not Path(recorded).is_file():
-        raise TokenizerNotFoundError(f"tokenizer {recorded} (recorded in {source}) not found: it was moved or "
-                                     f"deleted; {fix}.")
-    return Path(recorded)
-
-
 # ------------------------------------------------------------------ outputs
 
 def why_not_an_export(folder: Path) -> str | None:
@@ -217,7 +161,7 @@ def why_not_an_import(folder: Path) -> str | None:
         client = read_client_state(folder / IMPORT_TAG)
     except Exception:   # missing or unreadable: whatever it is, it is not an import we wrote
         return f"{folder / IMPORT_TAG / CLIENT_STATE} is missing or damaged"
-    if not client.get("weights_only"):
+    if not client.weights_only:
         return f"{IMPORT_TAG} is a training checkpoint (not weights only): a training history is never replaced"
     return None
 
@@ -242,14 +186,6 @@ def check_output(output: Path, overwrite: bool, what: str, why_not_ours) -> None
     if not overwrite:
         raise OutputExistsError(f"--output {output} already holds an earlier {what}: nothing was written. Add "
                                 f"--overwrite to replace it, or choose a new or empty folder.")
-
-
-def refuse_output_inside(output: Path, folder: Path, what: str, example: str) -> None:
-    """An output equal to or inside the folder it is made from would mix into it (and an
-    overwrite could delete it)."""
-    if output == folder or output.is_relative_to(folder):
-        raise OutputExistsError(f"--output {output} is {what} ({folder}) or inside it: nothing was written. "
-                                f"Choose a folder outside it, e.g. {folder.parent / example}.")
 
 
 def _sibling(output: Path, role: str) -> Path:
@@ -313,10 +249,10 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
         refuse_output_inside(output, source, "the checkpoint being exported", "hf")
     check_output(output, overwrite, "export", why_not_an_export)
     client = read_client_state(folder)   # checked against the checkpoint's manifest, like the weights
-    tokenizer = find_tokenizer(tokenizer, client.get("tokenizer"), folder)
+    tokenizer = find_tokenizer(tokenizer, client.tokenizer, folder)
     ids = _tokenizer_ids(tokenizer)
-    cfg = model_config_from_dict(client["model"])
-    weights = read_model_state(folder, cfg, client["layout"])
+    cfg = client.model_config()
+    weights = read_model_state(folder, cfg, client.layout)
 
     def build(staging: Path) -> None:
         save_file({f"model.{k}": v.contiguous().clone() for k, v in weights.items()},
@@ -336,7 +272,7 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
             "num_attention_heads": cfg.n_heads, "tie_word_embeddings": cfg.tie_embeddings,
             "eos_token_id": ids["eos_token_id"], "pad_token_id": ids["eos_token_id"],
             "bos_token_id": ids["eos_token_id"], "torch_dtype": "float32", "use_cache": True,
-            "megatron_id": {"step": client.get("step"), "saved_layout": client["layout"]},
+            "megatron_id": {"step": client.step, "saved_layout": client.layout},
         }
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "generation_config.json").write_text(json.dumps(
@@ -356,9 +292,9 @@ def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
     divisibility check's own hints are about training config keys, not this option)."""
     def fits(t: int) -> bool:
         try:
-            check_divisibility(cfg, t)
+            check_model_split(cfg, t)
             return True
-        except ParallelConfigError:
+        except LayoutError:
             return False
     if not fits(tp):
         valid = ", ".join(str(t) for t in range(1, cfg.n_heads + 1) if fits(t))
@@ -383,23 +319,10 @@ def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int =
     _, cfg, full = read_hf_folder(folder)
     shards = split_state_dict(full, cfg, tensor_parallel)
     layout = {"tensor": tensor_parallel, "pipe": pipeline_parallel, "data": 1, "zero_stage": 0}
-    client = {"step": 0, "layout": layout, "model": model_config_dict(cfg), "weights_only": True,
-              "tokenizer": str((folder / "tokenizer.json").resolve())}
+    client = ClientState(step=0, layout=layout, model=model_config_dict(cfg), weights_only=True,
+                         tokenizer=str((folder / "tokenizer.json").resolve()))
 
     def build(staging: Path) -> None:
-        # written as the trainer writes a checkpoint: the iter_ folder first, then `latest` (commit)
-        incomplete = staging / ".incomplete" / IMPORT_TAG
-        incomplete.mkdir(parents=True)
-        for tp, shard in enumerate(shards):
-            if pipeline_parallel == 1:
-                torch.save({"module": shard}, incomplete / module_file(tp))
-                continue
-            for piece in saved_pieces(cfg):
-                torch.save(from_model_names(shard, piece, cfg.n_layers, cfg.tie_embeddings),
-                           incomplete / layer_file(piece, tp))
-        write_client_state(incomplete, client)
-        write_manifest(incomplete, manifest_entries(incomplete, checkpoint_files(incomplete)))   # last, as the trainer
-        commit(incomplete, staging)
-        (staging / ".incomplete").rmdir()
+        write_weights_only(staging, shards, cfg, pipeline_parallel, client)
 
     return write_folder(output, build)

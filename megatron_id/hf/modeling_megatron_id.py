@@ -20,7 +20,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megatron_id import MegatronIDConfig
-from .megatron_id_model import LanguageModel
+from .megatron_id_model import Group, InterdomainMixer, LanguageModel, names_in_group
 
 
 class _Choice(str):
@@ -76,13 +76,13 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
     # applied by transformers only when config.tie_word_embeddings (model.tie_embeddings) is set:
     # loading builds the modules on the meta device, which unties the training model's own tie
     _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}
-    # The SSM parameters (megatron_id/training/optim.py SSM_PARAMETERS) stay float32 when the
-    # model is loaded in bf16 or fp16: a_im reaches ~1e3, where bf16 steps by 8, and rounding
-    # Delta, A or C changes every output; the core computes in float32 anyway. transformers 5
-    # matches each entry against the parameter names (a regex search), so these leaf names
-    # select exactly the mixers' SSM parameters (tests/test_hf_safety.py checks the set).
-    _keep_in_fp32_modules_strict = ["log_dt", "a_log", "a_im", "c_re", "c_im", "c_vec",
-                                    "k_norm", "v_norm", "k_bias", "v_bias"]
+    # The SSM parameters (those the mixer declares in the ssm optimizer group, model/roles.py)
+    # stay float32 when the model is loaded in bf16 or fp16: a_im reaches ~1e3, where bf16
+    # steps by 8, and rounding Delta, A or C changes every output; the core computes in float32
+    # anyway. transformers 5 matches each entry against the parameter names (a regex search),
+    # so these names (log_dt, a_im, k_norm, ...) select exactly the mixers' SSM parameters
+    # (tests/test_hf_safety.py checks the set).
+    _keep_in_fp32_modules_strict = names_in_group(InterdomainMixer, Group.SSM)
 
     def __init__(self, config: MegatronIDConfig):
         super().__init__(config)

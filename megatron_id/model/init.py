@@ -6,6 +6,11 @@ modules were built in or on other parameters, and it is always drawn at full siz
 parallel shard draws the full tensor and keeps its slice (module.tp_partitions, set by
 megatron_id.parallel), so TP=1 and TP=4 start from identical weights (Megatron's tests assert
 the same property).
+
+`initial_value` is one half of a parameter's declaration; the other, beside it on the same
+module, is its role (PARAMETER_ROLES: tensor-parallel split and optimizer group, roles.py).
+LanguageModel checks both when it is built, so a missing init fails there, before any weights
+exist; the check below covers parts initialised on their own (pipeline stages, lone layers).
 """
 from __future__ import annotations
 

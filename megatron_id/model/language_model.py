@@ -20,9 +20,12 @@ from ..config import ModelConfig, ffn_hidden_size
 from .init import initialize
 from .layers import Embedding, Linear, RMSNorm
 from .mixers import build_mixer
+from .roles import COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, VOCAB_ROWS, check_declarations
 
 
 class SwiGLU(nn.Module):
+    PARAMETER_ROLES = {"w1": COLUMN_PARALLEL, "w3": COLUMN_PARALLEL, "w2": ROW_PARALLEL}   # model/roles.py
+
     def __init__(self, d: int, hidden: int, init_std: float, residual_std: float):
         super().__init__()
         self.w1, self.w3 = Linear(d, hidden, init_std), Linear(d, hidden, init_std)
@@ -33,6 +36,9 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
+    # the mixer and the SwiGLU declare their own parameters
+    PARAMETER_ROLES = {"mixer_norm": REPLICATED, "ffn_norm": REPLICATED}
+
     def __init__(self, cfg: ModelConfig, residual_std: float, form: str):
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -49,6 +55,10 @@ class Block(nn.Module):
 
 
 class LanguageModel(nn.Module):
+    # the embedding and the LM head are cut by vocabulary rows, padded to the TP multiple (the
+    # head becomes a column-parallel layer); with tied embeddings they are one matrix, cut alike
+    PARAMETER_ROLES = {"embed": VOCAB_ROWS, "norm": REPLICATED, "lm_head": VOCAB_ROWS}
+
     def __init__(self, cfg: ModelConfig, form: str = "chunked", seed: int | None = 42):
         """form: how interdomain/s4d mixers run full sequences (chunked | recurrent | naive).
         seed None skips initialisation (meta-device builds, or weights loaded right after)."""
@@ -63,6 +73,7 @@ class LanguageModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         # recompute each block in backward instead of storing its activations (train.activation_checkpointing)
         self.activation_checkpointing = False
+        check_declarations(self)   # every parameter's split, optimizer group and init (roles.py)
         if seed is not None:
             initialize(self, seed)
 

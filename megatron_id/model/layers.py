@@ -3,7 +3,10 @@
 
 Every module with parameters answers `initial_value(name, shape, generator)`: the full-size
 initial tensor of that parameter, drawn from its own generator (see init.py). That keeps
-initialisation independent of construction order and of any later sharding.
+initialisation independent of construction order and of any later sharding. Each also declares
+in PARAMETER_ROLES what it knows of its parameters' roles (roles.py): their optimizer group. How
+they are cut for tensor parallelism is the choice of the module that uses the layer (the mixer
+makes its q_proj column-parallel, its o_proj row-parallel).
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .roles import DECAY, NO_DECAY
 
 try:  # NVIDIA apex is optional (not on PyPI, CUDA only): fused RMSNorm when importable
     from apex.normalization.fused_layer_norm import fused_rms_norm_affine as _apex_rms_norm
@@ -29,12 +34,16 @@ class NormalInit:
 class Linear(NormalInit, nn.Linear):
     """nn.Linear without bias and with a declared N(0, init_std) initialisation."""
 
+    PARAMETER_ROLES = {"weight": DECAY}   # the split: the owner's choice
+
     def __init__(self, d_in: int, d_out: int, init_std: float):
         super().__init__(d_in, d_out, bias=False)
         self.init_std = init_std
 
 
 class Embedding(NormalInit, nn.Embedding):
+    PARAMETER_ROLES = {"weight": DECAY}
+
     def __init__(self, vocab: int, dim: int, init_std: float):
         super().__init__(vocab, dim)
         self.init_std = init_std
@@ -51,6 +60,8 @@ def use_fused_rms_norm(x: torch.Tensor) -> bool:
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32."""
+
+    PARAMETER_ROLES = {"weight": NO_DECAY}
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -99,6 +110,8 @@ class ShortConv(nn.Module):
     `forward(x, state)` takes the previous K-1 inputs ([B, C, K-1], None = zeros) and returns
     (y, new_state), so one code path serves training, prefill and single-token decode.
     """
+
+    PARAMETER_ROLES = {"weight": DECAY, "bias": NO_DECAY}
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.layers import NormalInit, RMSNorm, rms_norm
+from ..model.layers import Embedding, Linear, NormalInit, RMSNorm, rms_norm
 from . import mappings
 
 
@@ -75,6 +75,8 @@ def shard_parameter(module: nn.Module, name: str, dim: int, group, padded_size: 
 
 
 class ColumnParallelLinear(NormalInit, nn.Module):
+    PARAMETER_ROLES = Linear.PARAMETER_ROLES   # it stands in for a Linear: the same declaration
+
     def __init__(self, full: nn.Linear, group, *, sequence_parallel=False, padded_out=None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -89,6 +91,8 @@ class ColumnParallelLinear(NormalInit, nn.Module):
 
 
 class RowParallelLinear(NormalInit, nn.Module):
+    PARAMETER_ROLES = Linear.PARAMETER_ROLES   # it stands in for a Linear: the same declaration
+
     def __init__(self, full: nn.Linear, group, *, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -104,6 +108,8 @@ class RowParallelLinear(NormalInit, nn.Module):
 
 
 class VocabParallelEmbedding(NormalInit, nn.Module):
+    PARAMETER_ROLES = Embedding.PARAMETER_ROLES   # it stands in for a Embedding: the same declaration
+
     def __init__(self, full: nn.Embedding, group, padded_vocab: int, *, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel

@@ -4,7 +4,6 @@ mappings). Each forward has the backward that makes gradients exact:
     copy_to_region          fwd identity             bwd all-reduce
     reduce_from_region      fwd all-reduce           bwd identity
     gather_from_region      fwd all-gather (dim)     bwd keep own slice
-    scatter_to_region       fwd keep own slice       bwd all-gather
     gather_from_sequence    fwd all-gather (seq)     bwd reduce-scatter      (sequence parallel)
     reduce_scatter_to_sequence  fwd reduce-scatter   bwd all-gather          (sequence parallel)
 
@@ -120,10 +119,6 @@ def gather_from_region(x, group, dim=-1):
     return _Gather.apply(x, group, dim % x.dim(), False)
 
 
-def scatter_to_region(x, group, dim=-1):
-    return _Scatter.apply(x, group, dim % x.dim(), False)
-
-
 SEQUENCE_DIM = 1   # activations are [batch, sequence, hidden]
 
 
@@ -134,6 +129,3 @@ def gather_from_sequence(x, group):
 def reduce_scatter_to_sequence(x, group):
     return _Scatter.apply(x, group, SEQUENCE_DIM, True)
 
-
-def scatter_to_sequence(x, group):
-    return _Scatter.apply(x, group, SEQUENCE_DIM, False)

@@ -26,31 +26,13 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model import LanguageModel
-from ..model.init import initialize
 from .layers import vocab_parallel_cross_entropy
-from .tensor_parallel import parallelize
-
-TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
-
-
-def _materialise(part: nn.Module, prefix: str, seed: int | None, device) -> nn.Module:
-    """A meta-device piece of the model -> real memory, initialised as in the whole model.
-    to_empty makes new Parameter objects, so the TP attributes DeepSpeed reads are carried over."""
-    attributes = {name: {k: v for k, v in vars(p).items() if k in TP_ATTRIBUTES}
-                  for name, p in part.named_parameters()}
-    part.to_empty(device=device)
-    for name, p in part.named_parameters():
-        for key, value in attributes[name].items():
-            setattr(p, key, value)
-    if seed is not None:
-        initialize(part, seed, prefix=prefix)
-    return part
-
+from .tensor_parallel import materialise, parallelize
 
 class EmbeddingStage(nn.Module):
     def __init__(self, model: LanguageModel, seed: int | None, device):
         super().__init__()
-        self.embed = _materialise(model.embed, "embed", seed, device)
+        self.embed = materialise(model.embed, "embed", seed, device)
 
     def forward(self, tokens):
         return self.embed(tokens)
@@ -74,7 +56,7 @@ class TiedEmbeddingStage(EmbeddingStage):
 class BlockStage(nn.Module):
     def __init__(self, model: LanguageModel, index: int, seed: int | None, device):
         super().__init__()
-        self.block = _materialise(model.layers[index], f"layers.{index}", seed, device)
+        self.block = materialise(model.layers[index], f"layers.{index}", seed, device)
 
     def forward(self, h):
         return self.block(h)
@@ -83,7 +65,7 @@ class BlockStage(nn.Module):
 class FinalNormStage(nn.Module):
     def __init__(self, model: LanguageModel, seed: int | None, device):
         super().__init__()
-        self.norm = _materialise(model.norm, "norm", seed, device)
+        self.norm = materialise(model.norm, "norm", seed, device)
 
     def forward(self, h):
         return self.norm(h)
@@ -94,7 +76,7 @@ class HeadStage(nn.Module):
 
     def __init__(self, model: LanguageModel, seed: int | None, device):
         super().__init__()
-        self.lm_head = _materialise(model.lm_head, "lm_head", seed, device)
+        self.lm_head = materialise(model.lm_head, "lm_head", seed, device)
 
     def forward(self, h):
         return self.lm_head(h)

@@ -9,7 +9,8 @@ rank in the same order (torch.distributed requires it).
     state.initialize_model_parallel(tensor_model_parallel_size=2)
     deepspeed.initialize(..., mpu=state)          # this module is the mpu
 
-Problems with the sizes are raised by `check_parallel_sizes` before any group is created.
+Problems with the sizes are raised by the layout validator (parallel/layout.py) before any
+group is created; this module needs only the sizes, not the model.
 """
 from __future__ import annotations
 
@@ -17,11 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..errors import UserError
-
-
-class ParallelConfigError(UserError, ValueError):
-    """A parallel layout that cannot work, with the numbers and the fix."""
+from .layout import check_sizes
 
 
 @dataclass
@@ -38,31 +35,14 @@ class _Groups:
 _GROUPS: _Groups | None = None
 
 
-def check_parallel_sizes(world_size: int, tensor: int, pipe: int = 1, model_cfg=None) -> int:
-    """Validate a layout before any computation; return the data-parallel size."""
-    if tensor < 1 or pipe < 1:
-        raise ParallelConfigError(f"tensor ({tensor}) and pipeline ({pipe}) parallel sizes must be >= 1.")
-    if world_size % (tensor * pipe):
-        raise ParallelConfigError(
-            f"world size {world_size} does not factor into TP={tensor} x PP={pipe} x DP: "
-            f"{world_size} is not a multiple of {tensor * pipe}. Launch a multiple of "
-            f"{tensor * pipe} processes or change parallel.tensor_model_parallel_size / "
-            f"parallel.pipeline_model_parallel_size.")
-    if model_cfg is not None:
-        from .tensor_parallel import check_divisibility
-        check_divisibility(model_cfg, tensor)
-    return world_size // (tensor * pipe)
-
-
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
-                              pipeline_model_parallel_size: int = 1, model_cfg=None) -> None:
+                              pipeline_model_parallel_size: int = 1) -> None:
     global _GROUPS
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed to be initialised "
                            "first (torchrun / deepspeed.init_distributed).")
     world, rank = dist.get_world_size(), dist.get_rank()
-    data = check_parallel_sizes(world, tensor_model_parallel_size, pipeline_model_parallel_size,
-                                model_cfg)
+    data = check_sizes(world, tensor_model_parallel_size, pipeline_model_parallel_size)
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     topo = PipeModelDataParallelTopology(num_pp=pipeline_model_parallel_size,
                                          num_mp=tensor_model_parallel_size, num_dp=data)

@@ -1,10 +1,12 @@
 """Tensor parallelism applied from outside to the single-device model (torchtitan style).
 
-One table says how every parameter is cut (`partition_dim`); `parallelize` uses it to shard a
-model in place, and `split_state_dict` / `merge_state_dicts` use it for checkpoints, so the
-three can never disagree. Parameter names do not change.
+How every parameter is cut is declared beside the module that creates it (PARAMETER_ROLES,
+megatron_id/model/roles.py); `parallelize` shards a model in place by those declarations, and
+`split_state_dict` / `merge_state_dicts` / `partition_dim` cut checkpoints by the same ones,
+read from the model a config builds on the meta device, so the three can never disagree.
+Parameter names do not change.
 
-Where heads are sharded, per mixer (H heads, each rank keeps H / TP contiguous heads):
+What the declarations say, per mixer (H heads, each rank keeps H / TP contiguous heads):
   interdomain / s4d   q, k, v (or a, b) and the gate: column-parallel (outputs are head-major)
                       short convs: their channels (= the heads' channels)
                       k_bias, v_bias, log_dt (Delta), a_log / a_im (A), c_re / c_im (C), c_vec: dim 0
@@ -20,62 +22,82 @@ outputs are reduce-scattered.
 """
 from __future__ import annotations
 
-import math
+import itertools
+import re
 
 import torch
 from torch import nn
 
-from ..config import ModelConfig, ffn_hidden_size
-from ..model.layers import Linear, RMSNorm
+from ..config import Mixer, ModelConfig
+from ..model.language_model import LanguageModel
+from ..model.layers import Embedding, Linear, RMSNorm
+from ..model.init import initialize
+from ..model.roles import Role, Split, parameter_roles
 from . import mappings
 from .layers import (ColumnParallelLinear, PartialGradRMSNorm, RowParallelLinear,
                      VocabParallelEmbedding, group_size, shard_parameter)
-from .state import ParallelConfigError
+from .layout import check_model_split, padded_vocab_size
 
-COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "w1", "w3", "lm_head"}
-ROW_PARALLEL = {"o_proj", "w2"}
-HEAD_PARAMETERS = {"k_bias", "v_bias", "log_dt", "a_log", "a_im", "c_re", "c_im", "c_vec"}
-CHANNEL_SHARDED = {"q_conv", "k_conv", "a_conv", "b_conv"}   # short convs: weight and bias dim 0
-VOCAB_PARAMETERS = {"embed.weight", "lm_head.weight"}
-HEAD_SHARED_NORMS = {"k_norm", "v_norm"}
+# ---------------------------------------------------------------- the declared roles by name
 
+# the names cut by vocabulary rows and padded: the weights of what LanguageModel declares so
+# (its embedding and LM head), for the callers that ask by name without a config
+VOCAB_PARAMETERS = frozenset(f"{child}.weight" for child, role in LanguageModel.PARAMETER_ROLES.items()
+                             if role.split is Split.VOCAB)
 
-def partition_dim(name: str) -> int | None:
-    """The dim along which parameter `name` (a model state-dict key) is split; None = replicated."""
-    parts = name.split(".")
-    leaf, owner = parts[-1], (parts[-2] if len(parts) > 1 else "")
-    if owner in COLUMN_PARALLEL or owner in CHANNEL_SHARDED or owner == "embed":
-        return 0
-    if owner in ROW_PARALLEL:
-        return 1
-    if leaf in HEAD_PARAMETERS:
-        return 0
-    return None
+_ROLES_BY_CONFIG: dict[str, dict[str, Role]] = {}
+_ROLES_OF_ANY_CONFIG: dict[str, Role] = {}
 
 
-def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
-    """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by x TP (0: no padding)."""
-    if cfg.make_vocab_size_divisible_by == 0:
-        return cfg.vocab_size
-    multiple = cfg.make_vocab_size_divisible_by * tp
-    return math.ceil(cfg.vocab_size / multiple) * multiple
+def roles_of(cfg: ModelConfig) -> dict[str, Role]:
+    """{state-dict name: declared Role} of the model `cfg` builds, read from a build on the meta
+    device (no memory); cached per config, as checkpoints ask once per tensor."""
+    key = repr(cfg)
+    if key not in _ROLES_BY_CONFIG:
+        with torch.device("meta"):
+            _ROLES_BY_CONFIG[key] = parameter_roles(LanguageModel(cfg, seed=None))
+    return _ROLES_BY_CONFIG[key]
 
 
-def check_divisibility(cfg: ModelConfig, tp: int) -> None:
-    """Everything TP splits must split evenly; raise before any computation otherwise."""
-    problems = []
-    if cfg.n_heads % tp:
-        problems.append(f"model.n_heads={cfg.n_heads} is not divisible by tensor parallel size {tp} "
-                        f"(each rank keeps whole heads); use a TP size that divides {cfg.n_heads}")
-    if ffn_hidden_size(cfg) % tp:
-        problems.append(f"the SwiGLU hidden size {ffn_hidden_size(cfg)} is not divisible by tensor "
-                        f"parallel size {tp}; set model.ffn_hidden to a multiple of {tp}")
-    if padded_vocab_size(cfg, tp) % tp:
-        problems.append(f"model.vocab_size={cfg.vocab_size} is not divisible by tensor parallel size "
-                        f"{tp} and vocabulary padding is off (model.make_vocab_size_divisible_by=0); "
-                        f"set model.make_vocab_size_divisible_by=128 (Megatron's default) to pad")
-    if problems:
-        raise ParallelConfigError("; ".join(problems) + ".")
+def _any_layer(name: str) -> str:
+    return re.sub(r"^layers\.\d+\.", "layers.0.", name)
+
+
+def _roles_of_any_config() -> dict[str, Role]:
+    """{name: Role} over every variant of the model (the mixers, and the switches that add or
+    remove parameters), layer indices folded to 0: a name means the same parameter in every
+    config, so its role does not depend on which config it came from."""
+    if not _ROLES_OF_ANY_CONFIG:
+        small = dict(vocab_size=8, d_model=8, n_heads=2, n_layers=1, ffn_hidden=8, state_size=2, rope=False)
+        variants = [ModelConfig(mixer=Mixer.softmax, **small)]
+        variants += [ModelConfig(mixer=Mixer.interdomain, query_readout=query, dual_kv_input=dual,
+                                 output_gate=True, **small)
+                     for query, dual in itertools.product((True, False), repeat=2)]
+        union: dict[str, Role] = {}
+        for cfg in variants:
+            for name, role in roles_of(cfg).items():
+                if union.setdefault(name, role) != role:
+                    raise RuntimeError(f"'{name}' is declared {role} in one model variant and "
+                                       f"{union[name]} in another: one name must mean one role.")
+        _ROLES_OF_ANY_CONFIG.update(union)
+    return _ROLES_OF_ANY_CONFIG
+
+
+def parameter_role(name: str, cfg: ModelConfig | None = None) -> Role:
+    """The declared role of parameter `name` (a LanguageModel state-dict key) in the model of
+    `cfg`; without a config, the role that name has in any config."""
+    roles = roles_of(cfg) if cfg is not None else _roles_of_any_config()
+    role = roles.get(name if cfg is not None else _any_layer(name))
+    if role is None:
+        where = f"the model of this config (mixer={cfg.mixer.value})" if cfg is not None else "any model"
+        raise ValueError(f"'{name}' is not a parameter of {where}; its tensor-parallel split is unknown.")
+    return role
+
+
+def partition_dim(name: str, cfg: ModelConfig | None = None) -> int | None:
+    """The dim along which parameter `name` (a model state-dict key) is split; None = replicated.
+    Pass the model config where there is one: a name it does not build is then an error."""
+    return parameter_role(name, cfg).split.dim
 
 
 def _gather_sequence_hook(group):
@@ -94,35 +116,80 @@ def _check_sequence_length(tp):
     return hook
 
 
+# the parallel layer each layer kind becomes for each split it may be declared (None: it stays)
+PARALLEL_LAYERS = {
+    (Linear, Split.COLUMN): ColumnParallelLinear, (Linear, Split.VOCAB): ColumnParallelLinear,
+    (Linear, Split.ROW): RowParallelLinear, (Linear, Split.REPLICATED): None,
+    (Embedding, Split.VOCAB): VocabParallelEmbedding, (Embedding, Split.REPLICATED): None,
+    (RMSNorm, Split.SUMMED_GRADS): PartialGradRMSNorm, (RMSNorm, Split.REPLICATED): None,
+}
+LAYER_KINDS = (Linear, Embedding, RMSNorm)
+
+
+def _parallel_class(layer: nn.Module, name: str, split: Split | None, sequence_parallel: bool):
+    """The parallel layer class `layer` (holding parameter `name`) becomes, or None."""
+    kind = next(k for k in LAYER_KINDS if isinstance(layer, k))
+    if (kind, split) not in PARALLEL_LAYERS:
+        allowed = " or ".join(f"'{s.value}'" for k, s in PARALLEL_LAYERS if k is kind)
+        raise ValueError(f"'{name}' belongs to a {kind.__name__} declared "
+                         f"'{split.value if split else 'without a split'}'; a {kind.__name__} can only "
+                         f"be {allowed}: change its declaration (PARAMETER_ROLES, model/roles.py).")
+    if kind is RMSNorm and sequence_parallel:
+        return PartialGradRMSNorm   # replicated, but each rank normalises its own sequence shard
+    return PARALLEL_LAYERS[kind, split]
+
+
+def _make_parallel(cls, layer: nn.Module, split: Split, group, vocab: int, sp: bool) -> nn.Module:
+    if cls is ColumnParallelLinear:
+        return cls(layer, group, sequence_parallel=sp, padded_out=vocab if split is Split.VOCAB else None)
+    if cls is VocabParallelEmbedding:
+        return cls(layer, group, vocab, sequence_parallel=sp)
+    if cls is RowParallelLinear:
+        return cls(layer, group, sequence_parallel=sp)
+    return cls(layer, group)   # PartialGradRMSNorm
+
+
 def parallelize(model: nn.Module, group, *, sequence_parallel: bool = False) -> nn.Module:
     """Shard a LanguageModel over `group` in place (its weights, if materialised, are sliced;
     on the meta device only shapes change: call model.initialize afterwards).
+
+    What each parameter becomes is its declared role (model/roles.py): a Linear declared
+    column-parallel, row-parallel or vocabulary rows becomes the parallel layer, an Embedding
+    declared vocabulary rows a VocabParallelEmbedding, a norm whose gradients are summed (and,
+    with sequence parallelism, every norm) a PartialGradRMSNorm; any other parameter declared
+    with the heads is sliced along dim 0 in place.
 
     The model's own forward is unchanged: it then returns vocabulary-sharded logits, for
     `vocab_parallel_cross_entropy` or `gather_logits`. With sequence parallelism the input
     sequence length must be divisible by the TP size.
     """
     cfg, tp = model.cfg, group_size(group)
-    check_divisibility(cfg, tp)
+    check_model_split(cfg, tp)
     vocab = padded_vocab_size(cfg, tp)
     sp = sequence_parallel
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if name == "embed":
-                setattr(parent, name, VocabParallelEmbedding(child, group, vocab, sequence_parallel=sp))
-            elif isinstance(child, Linear) and name in COLUMN_PARALLEL:
-                setattr(parent, name, ColumnParallelLinear(
-                    child, group, sequence_parallel=sp, padded_out=vocab if name == "lm_head" else None))
-            elif isinstance(child, Linear) and name in ROW_PARALLEL:
-                setattr(parent, name, RowParallelLinear(child, group, sequence_parallel=sp))
-            elif isinstance(child, RMSNorm) and (name in HEAD_SHARED_NORMS or sp):
-                setattr(parent, name, PartialGradRMSNorm(child, group))
-            elif name in CHANNEL_SHARDED:
-                shard_parameter(child, "weight", 0, group)
-                shard_parameter(child, "bias", 0, group)
-        for pname, _ in list(parent.named_parameters(recurse=False)):
-            if pname in HEAD_PARAMETERS:
-                shard_parameter(parent, pname, 0, group)
+    roles = parameter_roles(model)
+    # decide everything first, so that a declaration parallelize cannot follow changes nothing
+    replacements, head_slices = [], []
+    for module_name, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{name}" if module_name else name
+            split = roles[full_name].split
+            if isinstance(module, LAYER_KINDS):
+                cls = _parallel_class(module, full_name, split, sp)
+                if cls is not None:
+                    replacements.append((module_name, cls, split))
+            elif split is Split.HEADS:
+                head_slices.append((module, name))
+            elif split is not Split.REPLICATED:
+                raise ValueError(f"'{full_name}' is declared {split.value if split else 'without a split'}; "
+                                 f"outside a Linear, Embedding or RMSNorm a parameter can only be "
+                                 f"{Split.HEADS.value} or {Split.REPLICATED.value}.")
+    for module_name, cls, split in replacements:
+        parent_name, _, name = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, name, _make_parallel(cls, getattr(parent, name), split, group, vocab, sp))
+    for module, name in head_slices:
+        shard_parameter(module, name, 0, group)
     if sp:
         model.embed.register_forward_pre_hook(_check_sequence_length(tp))
         for block in model.layers:
@@ -137,23 +204,63 @@ def parallelize(model: nn.Module, group, *, sequence_parallel: bool = False) -> 
 
 # ---------------------------------------------------------------- checkpoints
 
+# the attributes DeepSpeed reads from a tensor-parallel parameter (set by shard_parameter)
+TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def materialise(part: nn.Module, prefix: str, seed: int | None, device) -> nn.Module:
+    """A meta-device (parallelised) model or piece of it -> real memory, initialised as in the
+    whole model (`prefix`: its name there). Each parameter is drawn at full size and sliced
+    (init.py), one at a time, so no more than one full tensor exists at once. to_empty makes new
+    Parameter objects: the TP attributes DeepSpeed reads are carried over, and parameters
+    shared by several modules (tied embeddings) are shared again."""
+    owners: dict[int, list] = {}
+    for module in part.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    attributes = {name: {k: v for k, v in vars(p).items() if k in TP_ATTRIBUTES}
+                  for name, p in part.named_parameters()}
+    part.to_empty(device=device)
+    for (first, first_name), *others in owners.values():
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
+    for name, p in part.named_parameters():
+        for key, value in attributes[name].items():
+            setattr(p, key, value)
+    if seed is not None:
+        initialize(part, seed, prefix=prefix)
+    return part
+
+
+def parallel_model(cfg: ModelConfig, group, *, seed: int, sequence_parallel: bool = False,
+                   device="cpu") -> LanguageModel:
+    """This TP rank's shard of the LanguageModel of `cfg`, built without the whole model ever
+    existing: on the meta device, parallelised there, then materialised and initialised with
+    the same weights as LanguageModel(cfg, seed) cut by `parallelize`."""
+    with torch.device("meta"):
+        model = LanguageModel(cfg, seed=None)
+    parallelize(model, group, sequence_parallel=sequence_parallel)
+    return materialise(model, "", seed, device)
+
+
 def split_state_dict(full: dict, cfg: ModelConfig, tp: int) -> list[dict]:
     """A TP=1 state dict -> one state dict per TP rank (vocabulary padded for this TP)."""
-    check_divisibility(cfg, tp)
+    check_model_split(cfg, tp)
     vocab = padded_vocab_size(cfg, tp)
     shards = [{} for _ in range(tp)]
     for name, tensor in full.items():
-        dim = partition_dim(name)
-        if dim is None:
+        split = parameter_role(name, cfg).split
+        if split.dim is None:
             for shard in shards:
                 shard[name] = tensor.clone()
             continue
-        if name in VOCAB_PARAMETERS:
+        if split is Split.VOCAB:
             if tensor.shape[0] != cfg.vocab_size:
                 raise ValueError(f"{name} has {tensor.shape[0]} rows but model.vocab_size is "
                                  f"{cfg.vocab_size}: pass an unpadded TP=1 state dict.")
             tensor = torch.nn.functional.pad(tensor, (0, 0, 0, vocab - tensor.shape[0]))
-        for shard, piece in zip(shards, tensor.chunk(tp, dim=dim)):
+        for shard, piece in zip(shards, tensor.chunk(tp, dim=split.dim)):
             shard[name] = piece.clone()
     return shards
 
@@ -168,15 +275,15 @@ def merge_state_dicts(shards: list[dict], cfg: ModelConfig) -> dict:
                              f"{sorted(set(shard) ^ set(names))[:5]}")
     full = {}
     for name in names:
-        dim = partition_dim(name)
-        if dim is None:
+        split = parameter_role(name, cfg).split
+        if split.dim is None:
             for i, shard in enumerate(shards[1:], start=1):
                 if not torch.equal(shard[name], shards[0][name]):
                     raise ValueError(f"replicated tensor '{name}' differs between TP rank 0 and "
                                      f"rank {i}; the shards do not come from one consistent model.")
             full[name] = shards[0][name].clone()
         else:
-            full[name] = torch.cat([shard[name] for shard in shards], dim=dim)
-            if name in VOCAB_PARAMETERS:
+            full[name] = torch.cat([shard[name] for shard in shards], dim=split.dim)
+            if split is Split.VOCAB:
                 full[name] = full[name][:cfg.vocab_size].clone()
     return full

@@ -1,9 +1,9 @@
-"""The training loop on DeepSpeed: tensor x pipeline x data parallelism, ZeRO 0/1/2.
+"""The training loop on DeepSpeed: tensor x pipeline x data parallelism, ZeRO 0/1/2/3.
 
     trainer = Trainer(cfg)            # torch.distributed already initialised (torchrun, srun)
     trainer.train()                   # resumes from train.load; saves to train.save
 
-Engines: PP = 1 uses DeepSpeed's plain engine (ZeRO 0/1/2) with the tensor-parallel model and
+Engines: PP = 1 uses DeepSpeed's plain engine (ZeRO 0/1/2/3) with the tensor-parallel model and
 our `parallel.state` as mpu; PP > 1 uses its PipelineEngine (1F1B schedule, ZeRO 0/1) on the
 PipelineModule of parallel/pipeline.py, whose grid comes from the same topology.
 
@@ -11,24 +11,18 @@ Order of a step: the scheduled LR (in tokens) is applied to every group (the SSM
 then `gradient_accumulation` micro-batches go through forward (bf16 autocast when
 train.precision=bf16; the SSM core runs in float32 regardless), the vocab-parallel loss and
 backward; at the accumulation boundary gradients are averaged over data parallelism, clipped
-(ZeRO-0: by GuardedAdamW, ZeRO-1/2: by DeepSpeed) and applied, unless any loss or gradient was
+(ZeRO-0: by GuardedAdamW, ZeRO-1/2/3: by DeepSpeed) and applied, unless any loss or gradient was
 not finite: then the update is skipped on every rank, counted, and train.max_nonfinite_in_a_row
 skipped steps in a row stop the run with NonFiniteTrainingError (naming the step and the last
 good checkpoint). The returned loss is the mean over the global batch.
 
-Checkpoints: `<save>/iter_0000100/` (DeepSpeed's model and ZeRO optimizer files, plus our client
-state: step, evaluations done, skipped steps, the saving layout, RNG states; tokens and data
-position follow from the step) and `<save>/latest` naming the newest complete one. A save goes
-to `<save>/.incomplete/<tag>` first, is renamed into place when every rank has written, and only
-then is `latest` replaced (atomically): a kill at any moment leaves `latest` on a complete
-checkpoint. The last `train.keep_last` are kept. SIGTERM and SIGUSR1 (SLURM preemption,
-`#SBATCH --signal=USR1@120`) finish the current step, save and exit. Loading at another TP/PP/DP
-layout re-shards the weights (train.load_optimizer=false; see checkpoint.py). Each save ends
-with manifest.json (size and sha256 of every file, hashed by all ranks in parallel), written
-before the commit; a load verifies every file first and names a damaged one.
+Checkpoints (the format and its protocol: megatron_id/checkpoint/): every train.save_interval
+steps and at the end, `<save>/iter_XXXXXXX/` committed atomically behind `<save>/latest`, the last
+train.keep_last kept. SIGTERM and SIGUSR1 (SLURM preemption) finish the current step, save and
+exit. A checkpoint loads at this or any other TP x PP x DP x ZeRO layout (engine_io.load says how).
 
 Before DeepSpeed starts, rank 0 checks what reads files (the data: token ids against the
-vocabulary, splits; the train.save / train.load rules of checkpoint.check_save_and_load), takes
+vocabulary, splits; the train.save / train.load rules of checkpoint/rules.py), takes
 the lock on train.save and removes staging folders of killed saves; every rank then raises the
 same error, or goes on. A collective that times out (train.collective_timeout_minutes) ends
 the run with the ranks that stopped responding named (distributed.Heartbeat).
@@ -36,7 +30,6 @@ the run with the ranks that stopped responding named (distributed.Heartbeat).
 from __future__ import annotations
 
 import math
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -46,22 +39,19 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
+from ..checkpoint import engine_io
+from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, remove_stale_staging, rng_state,
+                                set_rng_state, step_of)
+from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
 from ..errors import UserError
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, parse_data_path
-from ..model import LanguageModel
-from ..parallel import parallelize, state, vocab_parallel_cross_entropy
-from ..parallel.pipeline import pipeline_model, pipeline_state_dict
-from ..parallel.tensor_parallel import split_state_dict
-from .checkpoint import (CheckpointError, SaveLock, check_save_and_load, checkpoint_files, commit,
-                         cross_layout_error, describe, latest_folder, layout_record, manifest_entries, mark_settled,
-                         model_config_dict, optimizer_state_loadable, read_client_state, read_manifest,
-                         read_model_state, remove_stale_staging, rng_state, set_rng_state, verify_checkpoint,
-                         warn_unverified, write_client_state, write_manifest)
+from ..parallel import state, vocab_parallel_cross_entropy
+from ..parallel.tensor_parallel import parallel_model
+from ..parallel.pipeline import pipeline_model
 from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
                           local_device_index, skip_deepspeed_shm_build, uses_cuda)
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
-from . import reshardable
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
 
 
@@ -94,7 +84,7 @@ class Trainer:
         import deepspeed
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        state.initialize_model_parallel(self.layout.tensor, self.layout.pipe, cfg.model)
+        state.initialize_model_parallel(self.layout.tensor, self.layout.pipe)
         self.tp_group = state.get_tensor_model_parallel_group()
         self.pipelined = self.layout.pipe > 1
         if self.pipelined:   # DeepSpeed's PipelineEngine; its mpu is the module's own grid
@@ -103,14 +93,18 @@ class Trainer:
                 loss_vocab=cfg.model.vocab_size, sequence_parallel=cfg.parallel.sequence_parallel,
                 activation_checkpointing=cfg.train.activation_checkpointing), None
         else:
-            model = parallelize(LanguageModel(cfg.model, seed=cfg.seed), self.tp_group,
-                                sequence_parallel=cfg.parallel.sequence_parallel)
+            # built on the meta device and materialised as this TP rank's shard: a rank never
+            # holds the whole model (its init draws one full-size tensor at a time)
+            model = parallel_model(cfg.model, self.tp_group, seed=cfg.seed,
+                                   sequence_parallel=cfg.parallel.sequence_parallel)
             model.activation_checkpointing = cfg.train.activation_checkpointing
             mpu = state
         o = cfg.optimizer
         # ZeRO-0: the guard computes the norm and clips (DeepSpeed's fp32 path would apply a
-        # NaN step and reports no norm); ZeRO-1/2: DeepSpeed clips and skips, the guard checks.
-        self.guard = GuardedAdamW(parameter_groups(model, o), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+        # NaN step and reports no norm); ZeRO-1/2/3: DeepSpeed clips and skips, the guard checks
+        # (it steps each parameter group, at ZeRO-3 each sub-group, as a separate call).
+        zero0 = cfg.train.zero_stage == 0   # ZeRO-0 saves the guard's own state dict: name its parameters
+        self.guard = GuardedAdamW(parameter_groups(model, o, named=zero0), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps, clip_grad=o.clip_grad if cfg.train.zero_stage == 0 else None,
                                   tp_rank=dist.get_rank(self.tp_group), data_parallel=self.layout.data)
         optimizer = self.guard
@@ -141,6 +135,8 @@ class Trainer:
                               "(data.data_path=[data/my_corpus_text_document]).")
         check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
         resume, note = check_save_and_load(t.save, t.load)
+        if resume is not None:
+            check_resume_batch(latest_folder(resume), self.layout.global_batch_size)
         if t.save:
             self.save_lock = SaveLock(t.save)   # held until close(): no second live run writes here
             for path in remove_stale_staging(t.save):
@@ -243,6 +239,7 @@ class Trainer:
         if self.pipelined:   # DeepSpeed runs the 1F1B schedule over gradient_accumulation micro-batches
             with self._autocast(self.device):
                 loss = self.engine.train_batch(self._pipeline_batches(self.train_data, self.sampler))
+            self.guard.end_of_step()
             self.step += 1
             return loss.item()
         total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
@@ -251,6 +248,7 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
+        self.guard.end_of_step()
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.step += 1
         return total.item() / (self.layout.gradient_accumulation * self.layout.data)
@@ -317,7 +315,7 @@ class Trainer:
         for root in (self.cfg.train.save, self.cfg.train.load):
             folder = latest_folder(root) if root else None
             if folder is not None:
-                return f"{folder} (step {int(folder.name.removeprefix('iter_'))})"
+                return f"{folder} (step {step_of(folder.name)})"
         return "none (no checkpoint was saved; set train.save and train.save_interval)"
 
     def _request_stop(self, signum, frame):
@@ -332,116 +330,18 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, root) -> Path:
-        root, tag = Path(root), f"iter_{self.step:07d}"
-        staging = root / ".incomplete"
-        rank0 = dist.get_rank() == 0
-        if rank0:
-            shutil.rmtree(staging / tag, ignore_errors=True)
-            staging.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        client = {"step": self.step, "evaluations": self.evaluations, "skipped_steps": self.skipped_steps,
-                  "layout": self._layout_record(), "model": model_config_dict(self.cfg.model),
-                  "tokenizer": str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
-                  "rng": rng_state()}
-        self.engine.save_checkpoint(str(staging), tag=tag, client_state=client, save_latest=False)
-        if self.cfg.train.reshardable_optimizer:
-            reshardable.save(self, staging / tag)
-        if rank0:
-            write_client_state(staging / tag, client)
-        dist.barrier()   # every rank's files are written
-        self._write_manifest(staging / tag)
-        if rank0:
-            commit(staging / tag, root)
-            shutil.rmtree(staging, ignore_errors=True)   # what is left there: DeepSpeed's helper scripts
-            self._prune(root, keep=self.cfg.train.keep_last, current=tag)
-        dist.barrier()
+        client = ClientState(
+            step=self.step, model=model_config_dict(self.cfg.model), layout=engine_io.current_layout(self),
+            consumed_samples=self.step * self.layout.global_batch_size,
+            tokenizer=str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
+            evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state())
+        folder = engine_io.save(self, root, client)
         self.saved_step = self.step
-        return root / tag
-
-    def _write_manifest(self, folder: Path) -> None:
-        """Sizes and sha256 of every file, hashed by all ranks in parallel (rank r takes every
-        world-th file), written by rank 0 last, before the commit."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        names = [checkpoint_files(folder) if rank == 0 else None]
-        dist.broadcast_object_list(names, src=0)
-        mine = manifest_entries(folder, names[0][rank::world])
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            write_manifest(folder, {k: v for part in gathered for k, v in part.items()})
-
-    def _verify(self, folder: Path) -> None:
-        """Every file of a checkpoint against its manifest before loading it, hashed by all ranks
-        in parallel; a damaged file is named on every rank."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        manifest = read_manifest(folder)
-        problems = [] if manifest is None else verify_checkpoint(folder, sorted(manifest)[rank::world])
-        gathered = [None] * world
-        dist.all_gather_object(gathered, problems)
-        problems = [p for part in gathered for p in part]
-        if manifest is None and rank == 0:
-            warn_unverified(folder)
-        if problems:
-            err = CheckpointError(problems[0] + (f" ({len(problems) - 1} more damaged files: see "
-                                                 f"megatron-id check-checkpoint {folder})" if len(problems) > 1 else ""))
-            err.same_on_every_rank = True
-            raise err
-        mark_settled(folder)   # reading its files next (client state, shards) does not hash them again
-
-    @staticmethod
-    def _prune(root: Path, keep: int, current: str) -> None:
-        tags = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
-        for old in tags[:-keep] if keep > 0 else []:
-            if old != current:
-                shutil.rmtree(root / old, ignore_errors=True)
-
-    def _layout_record(self) -> dict:
-        return layout_record(self.layout, self.cfg.train.zero_stage)
+        return folder
 
     def load_checkpoint(self, root) -> None:
-        """Resume from `root`/latest. At the saving layout: everything (DeepSpeed restores model
-        and optimizer; our client state has step, evaluations and RNG; data position and LR
-        follow from the step). At another TP/PP/DP layout: weights re-sharded, with
-        train.load_optimizer=false only (checkpoint.py says why)."""
-        root = Path(root)
-        path = latest_folder(root)
-        if path is None:
-            raise CheckpointError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
-        self._verify(path)
-        client = read_client_state(path)
-        saved, current = client.get("layout", self._layout_record()), self._layout_record()
-        if client.get("weights_only"):   # written by `megatron-id import-hf`: weights, no optimizer
-            self._load_weights(read_model_state(path, self.cfg.model, saved))
-        elif optimizer_state_loadable(saved, current) and self.cfg.train.load_optimizer:
-            _, loaded = self.engine.load_checkpoint(str(root), tag=path.name, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=False)
-            if loaded is None:
-                raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}.")
-        elif self.cfg.train.load_optimizer and reshardable.has_reshardable_state(path):
-            reshardable.load(self, path)
-            if dist.get_rank() == 0:
-                print(f"loaded {path} (saved at {describe(saved)}) into {describe(current)} with its "
-                      f"optimizer state, re-sharded", file=sys.stderr, flush=True)
-        elif self.cfg.train.load_optimizer:
-            raise cross_layout_error(path, saved, current)
-        else:
-            self._load_weights(read_model_state(path, self.cfg.model, saved))
-            if dist.get_rank() == 0:
-                print(f"loaded the weights of {path} (saved at {describe(saved)}) into "
-                      f"{describe(current)}; optimizer state starts fresh (train.load_optimizer=false)",
-                      file=sys.stderr, flush=True)
-        self.step = client["step"]
-        self.evaluations = client.get("evaluations", 0)
-        self.skipped_steps = client.get("skipped_steps", 0)
-        if "rng" in client:
-            set_rng_state(client["rng"])
-
-    def _load_weights(self, full: dict) -> None:
-        """A TP=1 model state dict -> this rank's shard (and pipeline pieces)."""
-        local = split_state_dict(full, self.cfg.model, self.layout.tensor)[dist.get_rank(self.tp_group)]
-        module = self.engine.module
-        if self.pipelined:
-            local = pipeline_state_dict(local, module, self.cfg.model.n_layers, self.cfg.model.tie_embeddings)
-        module.load_state_dict(local, strict=True)
-        if hasattr(self.engine.optimizer, "refresh_fp32_params"):   # ZeRO keeps fp32 master copies
-            self.engine.optimizer.refresh_fp32_params()
+        """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py)."""
+        client = engine_io.load(self, root)
+        self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
+        if client.rng is not None:
+            set_rng_state(client.rng)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import load_config, to_yaml
 from ..errors import UserError
-from .checkpoint import latest_folder
+from ..checkpoint.files import latest_folder
 from .layout import training_layout
 
 

@@ -2,9 +2,19 @@
 DeepSpeed config generated from ours.
 
 `training_layout(cfg, world_size)` returns sizes and step counts, or raises ConfigError naming
-the setting and the fix: a world size that is not TP x PP x DP, heads/vocab/FFN not divisible by
-TP, layers not divisible into pipeline stages, ZeRO-2/3 with pipelines (DeepSpeed's
-PipelineEngine accepts ZeRO-1 only), a global batch that micro-batch x DP does not divide.
+the setting and the fix: the layout itself through the one validator (parallel/layout.py: a
+world size that is not TP x PP x DP, heads/vocab/FFN not divisible by TP, layers not divisible
+into pipeline stages, ZeRO-2/3 with pipelines), then ZeRO-3 with train.reshardable_optimizer,
+a global batch that micro-batch x DP does not divide and a token budget below one step.
+
+ZeRO-3 (PP = 1): DeepSpeed partitions every parameter of the tensor-parallel model over the DP
+group when the engine is built (the model is built whole per TP rank first, no zero.Init) and
+gathers them module by module in forward and backward. Its losses and gradient norms equal
+ZeRO-1's at the same layout (tests/test_zero3.py). With DeepSpeed's defaults
+(stage3_max_live_parameters and stage3_max_reuse_distance 1e9 elements) every parameter stays
+gathered from its first use until the step, so the peak holds the whole TP shard as at ZeRO-1/2;
+setting those (train.deepspeed.zero_optimization.*) below the model size trades re-gathering
+in backward for memory.
 
 Precision: `train.precision=bf16` means bf16 autocast with fp32 weights and optimizer state (as
 in the paper), so the generated DeepSpeed config leaves DeepSpeed's own bf16 mode off: that mode
@@ -17,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError
-from ..parallel.state import ParallelConfigError, check_parallel_sizes
+from ..parallel.layout import check_layout
 
 
 @dataclass(frozen=True)
@@ -35,28 +45,14 @@ class Layout:
 def training_layout(cfg: Config, world_size: int) -> Layout:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    try:
-        dp = check_parallel_sizes(world_size, tp, pp, model_cfg=m)
-    except ParallelConfigError as err:
-        raise ConfigError(str(err)) from None
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage={t.zero_stage} is invalid: use 0, 1, 2 or 3.")
-    if pp > 1 and t.zero_stage >= 2:
+    dp = check_layout(m, world_size, tp, pp, t.zero_stage, p.sequence_parallel)
+    if t.zero_stage == 3 and t.reshardable_optimizer:
         raise ConfigError(
-            f"train.zero_stage={t.zero_stage} cannot be combined with pipeline parallelism "
-            f"(parallel.pipeline_model_parallel_size={pp}): DeepSpeed's pipeline engine supports "
-            f"ZeRO stage 0 or 1 only. Set train.zero_stage=1, or "
-            f"parallel.pipeline_model_parallel_size=1 to use ZeRO-{t.zero_stage}.")
-    if t.zero_stage == 3:
-        raise ConfigError("train.zero_stage=3 is not supported yet (its interplay with tensor "
-                          "parallelism is untested); use train.zero_stage=1 or 2.")
-    if m.n_layers % pp:
-        raise ConfigError(f"model.n_layers={m.n_layers} cannot be divided into "
-                          f"parallel.pipeline_model_parallel_size={pp} equal stages; use a number "
-                          f"of stages that divides {m.n_layers}.")
-    if p.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"parallel.sequence_parallel splits model.seq_length={m.seq_length} over "
-                          f"TP={tp} ranks: use a sequence length divisible by {tp}.")
+            "train.reshardable_optimizer=true cannot be combined with train.zero_stage=3: the "
+            "per-parameter optimizer state is read through ZeRO-1/2's fragment mappings, which "
+            "ZeRO-3 does not have. Set train.reshardable_optimizer=false (a ZeRO-3 checkpoint "
+            "still loads its weights at any layout with train.load_optimizer=false), or use "
+            "train.zero_stage=1 or 2.")
     per_step = t.micro_batch_size * dp
     if t.micro_batch_size < 1 or t.global_batch_size < 1 or t.global_batch_size % per_step:
         raise ConfigError(
@@ -86,7 +82,7 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
         "train_batch_size": layout.global_batch_size,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.gradient_accumulation,
-        # ZeRO-0: our GuardedAdamW clips (and skips non-finite steps); ZeRO-1/2: DeepSpeed does
+        # ZeRO-0: our GuardedAdamW clips (and skips non-finite steps); ZeRO-1/2/3: DeepSpeed does
         "gradient_clipping": cfg.optimizer.clip_grad if t.zero_stage > 0 else 0.0,
         "zero_allow_untested_optimizer": True,   # GuardedAdamW is an AdamW subclass
         "zero_optimization": {"stage": t.zero_stage},

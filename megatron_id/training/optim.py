@@ -1,6 +1,7 @@
 """The paper's optimisation recipe: parameter groups and a learning-rate schedule in tokens.
 
-Groups (spec section 6; AdamW):
+Groups (spec section 6; AdamW), declared per parameter beside the model (PARAMETER_ROLES,
+megatron_id/model/roles.py), never listed here:
   decay      matrices and embeddings: weight decay (0.1)
   no_decay   norms and biases of the backbone (1-D parameters): no weight decay
   ssm        the SSM's own parameters, i.e. the SSM-input norms and biases (k_norm, v_norm,
@@ -17,26 +18,34 @@ import math
 import torch
 from torch import nn
 
-SSM_PARAMETERS = {"k_norm.weight", "v_norm.weight", "k_bias", "v_bias", "log_dt", "a_log", "a_im",
-                  "c_re", "c_im", "c_vec"}
+from ..model.roles import Group, UndeclaredParameterError, parameter_roles
 
 
-def group_of(name: str, param) -> str:
-    tail2 = ".".join(name.split(".")[-2:])
-    if name.split(".")[-1] in SSM_PARAMETERS or tail2 in SSM_PARAMETERS:
-        return "ssm"
-    return "no_decay" if param.dim() < 2 else "decay"
+def groups_by_name(model: nn.Module) -> dict[str, Group]:
+    """{parameter name: its declared optimizer group} for `model` (a LanguageModel, parallelised
+    or not, or the PipelineModule of a stage: the declarations travel with the modules)."""
+    groups = {}
+    for name, role in parameter_roles(model).items():
+        if role.group is None:
+            raise UndeclaredParameterError(f"parameter '{name}' has no declared optimizer group: "
+                                           f"declare it in its module's PARAMETER_ROLES (model/roles.py).")
+        groups[name] = role.group
+    return groups
 
 
-def parameter_groups(model: nn.Module, opt) -> list[dict]:
-    """AdamW parameter groups; each carries `name` and `max_lr` for the scheduler."""
-    members = {"decay": [], "no_decay": [], "ssm": []}
+def parameter_groups(model: nn.Module, opt, named: bool = False) -> list[dict]:
+    """AdamW parameter groups; each carries `name` and `max_lr` for the scheduler.
+    named: give the optimizer (name, parameter) pairs, so that its state dict names its
+    parameters (`param_names`, torch's own field): what lets convert-checkpoint move a ZeRO-0
+    checkpoint's optimizer state to another layout."""
+    group = groups_by_name(model)
+    members = {g: [] for g in Group}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            members[group_of(name, param)].append(param)
-    settings = {"decay": (opt.weight_decay, math.inf), "no_decay": (0.0, math.inf),
-                "ssm": (0.0, opt.ssm_lr_max)}
-    return [{"params": params, "name": g, "weight_decay": settings[g][0], "max_lr": settings[g][1]}
+            members[group[name]].append((name, param) if named else param)
+    settings = {Group.DECAY: (opt.weight_decay, math.inf), Group.NO_DECAY: (0.0, math.inf),
+                Group.SSM: (0.0, opt.ssm_lr_max)}
+    return [{"params": params, "name": g.value, "weight_decay": settings[g][0], "max_lr": settings[g][1]}
             for g, params in members.items() if params]
 
 
@@ -89,6 +98,12 @@ class GuardedAdamW(torch.optim.AdamW):
         self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad
         return loss
 
+    def end_of_step(self) -> None:
+        """The trainer calls this after each global batch: the batch's loss veto applies to every
+        step() call of that batch (one per parameter group under ZeRO; none at all when
+        DeepSpeed skipped the step for a non-finite gradient norm) and to no later batch."""
+        self._nonfinite_losses = None
+
     @torch.no_grad()
     def step(self, closure=None):
         import torch.distributed as dist
@@ -106,8 +121,8 @@ class GuardedAdamW(torch.optim.AdamW):
                     flag += g.float().pow(2).sum()
         if self._nonfinite_losses is not None:
             bad_loss = self._nonfinite_losses.to(device) > 0
-            flag += torch.where(bad_loss, math.inf, 0.0)
-            self._nonfinite_losses = None
+            flag += torch.where(bad_loss, math.inf, 0.0)   # kept for the batch's other groups:
+            # DeepSpeed's ZeRO calls step() once per parameter group; end_of_step() clears it
         if dist.is_initialized():
             dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
         total = flag.item()

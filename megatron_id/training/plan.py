@@ -127,7 +127,7 @@ def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
         total = 0
         for name, n in table[prefix]:
             n = n * vocab_scale if prefix in ("embed", "lm_head") else n
-            total += n // tp if partition_dim(name) is not None else n
+            total += n // tp if partition_dim(name, m) is not None else n
         return int(total)
 
     per_stage = [m.n_layers // pp * count("layers.0")] * pp

@@ -25,11 +25,29 @@ from torch import nn
 from ...ops.interdomain import FORMS, recurrent_interdomain, step_tables
 from ...ops.interdomain.ssm import s4d_inv_init
 from ..layers import Linear, RMSNorm, ShortConv, apply_rope, feature_map
+from ..roles import COLUMN_PARALLEL, ROW_PARALLEL, SSM_PER_HEAD, SSM_SHARED_NORM, WITH_HEADS
 
 DT_MIN, DT_MAX = 1e-3, 1e-1
 
 
 class InterdomainMixer(nn.Module):
+    # Every parameter's role (model/roles.py); the init of the own ones is initial_value below.
+    # Under TP each rank keeps H / TP contiguous heads: the projections into heads are
+    # column-parallel (their outputs are head-major), everything per head is cut with its heads.
+    PARAMETER_ROLES = {
+        "q_proj": COLUMN_PARALLEL, "k_proj": COLUMN_PARALLEL, "v_proj": COLUMN_PARALLEL,
+        "a_proj": COLUMN_PARALLEL, "b_proj": COLUMN_PARALLEL, "g_proj": COLUMN_PARALLEL,
+        # its input is [Re c.U, Re c.Gam] per head for the contraction readout: heads stay contiguous
+        "o_proj": ROW_PARALLEL,
+        "q_conv": WITH_HEADS, "k_conv": WITH_HEADS, "a_conv": WITH_HEADS, "b_conv": WITH_HEADS,
+        # the SSM's own parameters (optimizer group ssm): Delta, A, C, c_h and the input biases
+        # per head; the input norms are shared by all heads, so their grads are summed over TP
+        "log_dt": SSM_PER_HEAD, "a_log": SSM_PER_HEAD, "a_im": SSM_PER_HEAD,
+        "c_re": SSM_PER_HEAD, "c_im": SSM_PER_HEAD, "c_vec": SSM_PER_HEAD,
+        "k_bias": SSM_PER_HEAD, "v_bias": SSM_PER_HEAD,
+        "k_norm": SSM_SHARED_NORM, "v_norm": SSM_SHARED_NORM,
+    }
+
     def __init__(self, cfg, residual_std: float, form: str = "chunked"):
         super().__init__()
         d, H, M = cfg.d_model, cfg.n_heads, cfg.state_size
@@ -107,7 +125,7 @@ class InterdomainMixer(nn.Module):
             query = feature_map(query)
 
         kwargs = dict(readout=self.readout, c_vec=getattr(self, "c_vec", None),
-                      initial_state=state["ssm"] if state else None, return_final_state=True)
+                      initial_state=state["ssm"] if state else None, output_final_state=True)
         if x.shape[1] == 1 and state:   # decode: reuse the parameter-only tables across tokens
             if state.get("tables") is None:
                 state["tables"] = step_tables(*self.core_parameters(), readout=self.readout,

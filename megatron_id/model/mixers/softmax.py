@@ -6,9 +6,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import Linear, apply_rope
+from ..roles import COLUMN_PARALLEL, ROW_PARALLEL
 
 
 class SoftmaxAttention(nn.Module):
+    # (model/roles.py) under TP each rank keeps whole heads: q, k, v by output features
+    PARAMETER_ROLES = {"q_proj": COLUMN_PARALLEL, "k_proj": COLUMN_PARALLEL, "v_proj": COLUMN_PARALLEL,
+                       "o_proj": ROW_PARALLEL}
+
     def __init__(self, cfg, residual_std: float):
         super().__init__()
         d = cfg.d_model

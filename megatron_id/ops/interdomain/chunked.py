@@ -122,7 +122,7 @@ def _carry(added: torch.Tensor, lam_T: torch.Tensor, state: torch.Tensor) -> tor
 
 
 def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian",
-                        c_vec=None, initial_state=None, return_final_state=False, chunk_size=64):
+                        c_vec=None, initial_state=None, output_final_state=False, chunk_size=64):
     B, N, H, R = k.shape
     M = a_log.shape[-1]
     work = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -161,8 +161,8 @@ def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="he
             out = (out + weights @ vc) * readout_scale(M)
         out = _from_chunks(out, N)
 
-        if not return_final_state:
-            return out
+        if not output_final_state:
+            return out, None
         n_chunks = z.shape[2]
         valid = N - (n_chunks - 1) * chunk_size
         last = unstack(entering[:, :, -1], dim=-2)

@@ -9,7 +9,8 @@ Per head (M modes, key width R, value width Dv, P = R + Dv), for t = 1..N:
                           (readout='plain' drops the conj)
     linear contraction:   o_t = [ Re(c^T U), Re(c^T Gam) ]                         (q is None)
 
-Shapes: q, k [B, N, H, R], v [B, N, H, Dv]; returns [B, N, H, Dv] (or [B, N, H, P]).
+Shapes: q, k [B, N, H, R], v [B, N, H, Dv]; returns (out [B, N, H, Dv] (or [B, N, H, P]),
+the final state X [B, H, M, P] when output_final_state, else None).
 This costs O(M^2 P) per head and token (the paper's form); `recurrent.py` and `chunked.py`
 compute the same numbers in O(M P + M^2) and in chunks.
 """
@@ -21,7 +22,7 @@ from .ssm import complex_dtype_for, discretize, readout_scale
 
 
 def naive_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian",
-                      c_vec=None, initial_state=None, return_final_state=False):
+                      c_vec=None, initial_state=None, output_final_state=False):
     B, N, H, R = k.shape
     M = a_log.shape[-1]
     cdt = complex_dtype_for(k.dtype)
@@ -43,4 +44,4 @@ def naive_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="herm
             w = s.conj() if readout == "hermitian" else s
             outputs.append((w * Gam).sum(dim=-2).real * readout_scale(M))
     out = torch.stack(outputs, dim=1)
-    return (out, X) if return_final_state else out
+    return out, (X if output_final_state else None)

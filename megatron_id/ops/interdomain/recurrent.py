@@ -55,7 +55,7 @@ def recurrent_step(state, q_t, k_t, v_t, tables: StepTables):
 
 
 def recurrent_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian",
-                          c_vec=None, initial_state=None, return_final_state=False, tables=None):
+                          c_vec=None, initial_state=None, output_final_state=False, tables=None):
     """Run `recurrent_step` over a whole sequence (same signature as the other forms).
     `tables` may be passed in to skip rebuilding them (decode loops)."""
     B, N, H, R = k.shape
@@ -69,4 +69,4 @@ def recurrent_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="
         o, state = recurrent_step(state, None if q is None else q[:, t], k[:, t], v[:, t], tables)
         outputs.append(o)
     out = torch.stack(outputs, dim=1)
-    return (out, state) if return_final_state else out
+    return out, (state if output_final_state else None)

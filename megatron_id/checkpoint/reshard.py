@@ -19,7 +19,8 @@ fail if they change): the ZeRO optimizer links its per-parameter state fragments
 first parameter group's step only, so our other groups (no decay, SSM) are re-linked here
 before reading; and a freshly built engine has no Adam state until its first step, so zero
 state holding the saved step is created and linked before setting.
-Tied embeddings across pipeline stages are not handled yet (refused with the reason).
+Tied embeddings across pipeline stages: one file (embed.weight), written by the first stage,
+read by the first and the last.
 Design measured in a spike (issue 12): this format vs DeepSpeed's universal checkpoint, which
 needs our partition table injected, folder renames between PP=1 and PP>1, and fails at ZeRO-0.
 """
@@ -33,8 +34,9 @@ import torch.distributed as dist
 
 from ..parallel import state
 from ..parallel.pipeline import to_model_names
-from ..parallel.tensor_parallel import VOCAB_PARAMETERS, merge_state_dicts, padded_vocab_size, partition_dim
-from .checkpoint import CheckpointError
+from ..parallel.tensor_parallel import merge_state_dicts
+from .integrity import CheckpointError
+from .read import local_slice
 
 FOLDER = "optim"
 META = "meta.json"
@@ -46,24 +48,30 @@ def has_reshardable_state(checkpoint: Path) -> bool:
 
 
 def _model_name(engine_name: str, pipelined: bool, n_layers: int) -> str:
-    """A parameter name of the engine's module (PipelineModule: `<piece>.<rest>`) as the
-    single-device model names it."""
+    """A parameter name of the engine's module (PipelineModule: `<piece>.<rest>`, or
+    `tied_modules.<key>.<rest>` for the embedding shared with the LM head) as the single-device
+    model names it."""
     if not pipelined:
         return engine_name
     piece, rest = engine_name.split(".", 1)
+    if piece == "tied_modules":   # TiedEmbeddingStage: its names are piece 0's
+        return rest.split(".", 1)[1]
     (name,) = to_model_names(int(piece), {rest: None}, n_layers)
     return name
 
 
 def _local_parameters(trainer) -> list[tuple[str, torch.nn.Parameter]]:
     """(single-device model name, parameter) of this rank, in module order: the same order on
-    every DP and TP rank of a stage, which the collectives below need."""
-    if trainer.pipelined and trainer.cfg.model.tie_embeddings:
-        raise CheckpointError("re-sharding the optimizer state of tied embeddings across pipeline "
-                              "stages is not supported yet: load with train.load_optimizer=false, or at "
-                              "the saving layout.")
+    every DP and TP rank of a stage, which the collectives below need. With tied embeddings
+    across stages the first and the last stage both hold the matrix (DeepSpeed keeps the two
+    copies equal: one init, summed gradients): both read it, the first stage writes it."""
     return [(_model_name(name, trainer.pipelined, trainer.cfg.model.n_layers), p)
             for name, p in trainer.engine.module.named_parameters()]
+
+
+def _writes(trainer, engine_name: str) -> bool:
+    """Whether this stage writes the file of `engine_name` (a tied copy: the first stage only)."""
+    return not engine_name.startswith("tied_modules.") or state.get_pipe_parallel_rank() == 0
 
 
 def _zero_optimizer(trainer):
@@ -97,7 +105,8 @@ def save(trainer, folder: Path) -> None:
     zero = _zero_optimizer(trainer)
     if zero is not None:
         _relink(zero)
-    for name, p in _local_parameters(trainer):
+    engine_names = [name for name, _ in trainer.engine.module.named_parameters()]
+    for (name, p), engine_name in zip(_local_parameters(trainer), engine_names):
         if zero is not None:
             local = {"fp32": safe_get_full_fp32_param(p),
                      **{k: safe_get_full_optimizer_state(p, k) for k in ADAM_KEYS}}
@@ -111,7 +120,7 @@ def save(trainer, folder: Path) -> None:
             dist.all_gather(shards, tensor, group=tp_group)
             if writer:
                 merged[key] = merge_state_dicts([{name: s.cpu()} for s in shards], trainer.cfg.model)[name]
-        if writer:
+        if writer and _writes(trainer, engine_name):
             save_file(merged, str(out / f"{name}.safetensors"))
     steps = [None] * dist.get_world_size()
     dist.all_gather_object(steps, sorted(_adam_steps(trainer)))
@@ -122,26 +131,6 @@ def save(trainer, folder: Path) -> None:
         (out / META).write_text(json.dumps({"format": "megatron_id.reshardable_optimizer/1",
                                             "adam_step": distinct.pop(), "trainer_step": trainer.step}))
     dist.barrier()
-
-
-def _read_tp_slice(handle, key: str, name: str, cfg, tp: int, rank: int) -> torch.Tensor:
-    """This rank's rows / columns of a stored TP=1 tensor, the vocabulary padded for this TP."""
-    lazy = handle.get_slice(key)
-    shape = lazy.get_shape()
-    dim = partition_dim(name)
-    vocab = name in VOCAB_PARAMETERS
-    if dim is None:
-        return lazy[:]
-    rows = padded_vocab_size(cfg, tp) if vocab else shape[dim]
-    per = rows // tp
-    start, stop = rank * per, min((rank + 1) * per, shape[dim])
-    if stop > start:
-        tensor = lazy[tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))]
-    else:   # a rank holding only padding rows
-        tensor = torch.zeros([0 if d == dim else s for d, s in enumerate(shape)])
-    if tensor.shape[dim] < per:   # vocabulary padding rows (dim 0)
-        tensor = torch.nn.functional.pad(tensor, (0, 0, 0, per - tensor.shape[dim]))
-    return tensor
 
 
 def load(trainer, folder: Path) -> None:
@@ -166,8 +155,10 @@ def load(trainer, folder: Path) -> None:
             raise CheckpointError(f"{path} is missing: the re-shardable optimizer state of {folder} is "
                                   f"incomplete (no file for parameter {name}).")
         with safe_open(str(path), framework="pt") as handle:
-            values = {k: _read_tp_slice(handle, k, name, cfg, tp, tp_rank).to(p.device)
-                      for k in ("fp32", *ADAM_KEYS)}
+            values = {}
+            for key in ("fp32", *ADAM_KEYS):   # one stored TP=1 tensor, read lazily: only this rank's rows
+                stored = handle.get_slice(key)
+                values[key] = local_slice(name, cfg, tp, tp_rank, [(tuple(stored.get_shape()), stored.__getitem__)]).to(p.device)
         if values["fp32"].shape != p.shape:
             raise CheckpointError(f"{path}: shape {tuple(values['fp32'].shape)} for this rank's "
                                   f"{tuple(p.shape)}: the checkpoint is of another model.")
@@ -199,69 +190,135 @@ def _load_deepspeed_file(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def extract_from_deepspeed(checkpoint: Path, client: dict, out: Path) -> int:
-    """Write `out` (an optim/ folder) from the ZeRO-1/2 optimizer files DeepSpeed wrote into
-    `checkpoint`: each rank's flat partitions are cut back into parameters with DeepSpeed's own
-    slice mappings, the DP fragments concatenated, the TP shards merged with our partition
-    table. One pipeline stage and TP rank at a time is in memory. Returns the parameter count."""
+def _zero12_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set) -> dict:
+    """{model name: per TP rank {fp32, exp_avg, exp_avg_sq}} of pipeline stage `stage` from
+    DeepSpeed's ZeRO-1/2 optimizer files: each DP rank's flat partitions cut back into
+    parameters with DeepSpeed's own slice mappings, the DP fragments concatenated."""
     from collections import defaultdict
+    tp, pp, dp = layout["tensor"], layout["pipe"], layout["data"]
+    shards = defaultdict(lambda: [None] * tp)
+    for t in range(tp):
+        mp = stage * tp + t
+        shapes = {}
+        for group in _load_deepspeed_file(checkpoint / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]:
+            shapes.update(group)
+        pieces = defaultdict(lambda: defaultdict(list))   # engine name -> key -> DP fragments
+        for d in range(dp):
+            saved = _load_deepspeed_file(checkpoint / f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
+            saved = saved["optimizer_state_dict"]
+            for g, mapping in enumerate(saved["param_slice_mappings"]):
+                adam = saved["base_optimizer_state"]["state"][g]
+                flat = {"fp32": saved["single_partition_of_fp32_groups"][g], **{k: adam[k] for k in ADAM_KEYS}}
+                steps.add(float(adam["step"]))
+                for name, fragment in mapping.items():
+                    for key, values in flat.items():
+                        pieces[name][key].append(values.narrow(0, fragment.start, fragment.numel))
+        for name, by_key in pieces.items():
+            shards[_model_name(name, pp > 1, cfg.n_layers)][t] = {k: torch.cat(v).view(shapes[name])
+                                                                  for k, v in by_key.items()}
+    return shards
 
+
+def _zero0_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set, weights: list) -> dict:
+    """The same from a ZeRO-0 checkpoint: GuardedAdamW's own state dict (in DeepSpeed's
+    mp_rank file), whose parameter groups name their parameters (`param_names`: the engine
+    module's names, given to the optimizer at ZeRO-0 for this), and the weights themselves
+    (fp32 at ZeRO-0: there is no separate master copy). `weights`: per TP rank {model name:
+    tensor}, memory-mapped."""
+    from collections import defaultdict
+    tp, pp = layout["tensor"], layout["pipe"]
+    shards = defaultdict(lambda: [None] * tp)
+    for t in range(tp):
+        path = checkpoint / f"mp_rank_{stage * tp + t:02d}_model_states.pt"
+        optimizer = _load_deepspeed_file(path).get("optimizer")
+        groups = (optimizer or {}).get("param_groups", [])
+        if not groups or any("param_names" not in g for g in groups):
+            raise CheckpointError(f"{path}: its ZeRO-0 optimizer state does not name its parameters "
+                                  f"(written before megatron_id named them): resume it once at its saving "
+                                  f"layout with train.reshardable_optimizer=true and save, instead of converting.")
+        for group in groups:
+            for index, engine_name in zip(group["params"], group["param_names"], strict=True):
+                adam = optimizer["state"].get(index)
+                if adam is None:
+                    raise CheckpointError(f"{path}: no Adam state for {engine_name}: the checkpoint was "
+                                          f"saved before the first optimizer step; there is nothing to convert.")
+                steps.add(float(adam["step"]))
+                name = _model_name(engine_name, pp > 1, cfg.n_layers)
+                shards[name][t] = {"fp32": weights[t][name], **{k: adam[k] for k in ADAM_KEYS}}
+    return shards
+
+
+def extract_from_deepspeed(checkpoint: Path, client, out: Path) -> int:
+    """Write `out` (an optim/ folder) from the optimizer files DeepSpeed wrote into
+    `checkpoint` (ZeRO-0, 1 or 2), the TP shards merged with our partition table. One pipeline
+    stage is in memory at a time. Returns the number of parameter files written."""
     from safetensors.torch import save_file
 
-    from .checkpoint import model_config_from_dict
-    layout = client["layout"]
-    tp, pp, dp = layout["tensor"], layout["pipe"], layout["data"]
-    cfg = model_config_from_dict(client["model"])
+    from .read import _saved_shards
+    layout = client.layout
+    cfg = client.model_config()
     out.mkdir(parents=True, exist_ok=True)
+    weights = _saved_shards(checkpoint, cfg, layout) if layout["zero_stage"] == 0 else None
     steps, written = set(), 0
-    for stage in range(pp):
-        shards = defaultdict(lambda: [None] * tp)   # model name -> per TP rank {key: tensor}
-        for t in range(tp):
-            mp = stage * tp + t
-            shapes = {}
-            for group in _load_deepspeed_file(checkpoint / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]:
-                shapes.update(group)
-            pieces = defaultdict(lambda: defaultdict(list))   # engine name -> key -> DP fragments
-            for d in range(dp):
-                saved = _load_deepspeed_file(checkpoint / f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
-                saved = saved["optimizer_state_dict"]
-                for g, mapping in enumerate(saved["param_slice_mappings"]):
-                    adam = saved["base_optimizer_state"]["state"][g]
-                    flat = {"fp32": saved["single_partition_of_fp32_groups"][g], **{k: adam[k] for k in ADAM_KEYS}}
-                    steps.add(float(adam["step"]))
-                    for name, fragment in mapping.items():
-                        for key, values in flat.items():
-                            pieces[name][key].append(values.narrow(0, fragment.start, fragment.numel))
-            for name, by_key in pieces.items():
-                shards[_model_name(name, pp > 1, cfg.n_layers)][t] = {k: torch.cat(v).view(shapes[name]) for k, v in by_key.items()}
+    for stage in range(layout["pipe"]):
+        if weights is None:
+            shards = _zero12_stage(checkpoint, layout, cfg, stage, steps)
+        else:
+            shards = _zero0_stage(checkpoint, layout, cfg, stage, steps, weights)
         for name, per_tp in shards.items():
-            merged = {k: merge_state_dicts([{name: s[k]} for s in per_tp], cfg)[name] for k in ("fp32", *ADAM_KEYS)}
-            save_file(merged, str(out / f"{name}.safetensors"))
+            if (out / f"{name}.safetensors").exists():   # a tied copy on the last stage: written by the first
+                continue
+            if any(s is None for s in per_tp):
+                raise CheckpointError(f"{checkpoint}: {name} is missing from some TP ranks' optimizer state.")
+            merged = {k: merge_state_dicts([{name: s[k].float()} for s in per_tp], cfg)[name]
+                      for k in ("fp32", *ADAM_KEYS)}
+            save_file({k: v.contiguous() for k, v in merged.items()}, str(out / f"{name}.safetensors"))
             written += 1
     if len(steps) != 1:
         raise CheckpointError(f"{checkpoint}: Adam's step differs between parameter groups ({sorted(steps)}).")
     (out / META).write_text(json.dumps({"format": "megatron_id.reshardable_optimizer/1",
-                                        "adam_step": steps.pop(), "trainer_step": client["step"]}))
+                                        "adam_step": steps.pop(), "trainer_step": client.step}))
     return written
 
 
-def convert(source: Path, output: Path) -> Path:
+def check_target_layout(cfg, tensor_parallel: int | None, pipeline_parallel: int | None, folder: Path) -> None:
+    from ..errors import BadOptionError
+    from ..parallel.layout import LayoutError, check_model_split
+    for option, value in (("--tensor-parallel", tensor_parallel), ("--pipeline-parallel", pipeline_parallel)):
+        if value is not None and value < 1:
+            raise BadOptionError(f"{option} {value} is invalid: it must be at least 1.")
+    try:
+        check_model_split(cfg, tensor_parallel or 1, pipeline_parallel or 1)
+    except LayoutError as err:
+        raise BadOptionError(f"the model of {folder} cannot be loaded at --tensor-parallel "
+                             f"{tensor_parallel or 1} --pipeline-parallel {pipeline_parallel or 1}: {err}") from None
+
+
+def convert(source: Path, output: Path, tensor_parallel: int | None = None,
+            pipeline_parallel: int | None = None) -> Path:
     """`megatron-id convert-checkpoint`: a new train.save folder `output` holding the checkpoint
     `source` (a train.save folder: its `latest`; or an iter_ folder) plus its re-shardable
     optimizer state, so that it resumes WITH its optimizer state at any layout. The source is
     only read; its files are hard-linked into `output` where the file system allows, else
-    copied. Returns the new iter_ folder."""
+    copied. `tensor_parallel` / `pipeline_parallel`: the layout the user means to load at (the
+    result loads at any): checked against the model first, so that a size that cannot split it
+    fails now and not when the job starts. Returns the new iter_ folder."""
     import os
     import shutil
 
-    from ..errors import OutputExistsError
-    from .checkpoint import (checkpoint_files, commit, latest_folder, manifest_entries, read_client_state,
-                             verify_checkpoint, write_manifest)
-    source, output = Path(source), Path(output)
-    folder = source if (source / "client_state.pt").is_file() else latest_folder(source)
-    if folder is None:
-        raise CheckpointError(f"{source} holds no checkpoint (no `latest`, no client_state.pt): give a "
-                              f"train.save folder or an iter_XXXXXXX folder.")
+    from ..errors import OutputExistsError, refuse_output_inside
+    from .files import commit, finish_staging, read_client_state, staging_folder
+    from .integrity import checkpoint_files, manifest_entries, verify_checkpoint, write_manifest
+    from .read import checkpoint_folder
+    source, output = Path(source), Path(output).resolve()
+    folder = checkpoint_folder(source)
+    sources = {source.resolve(), folder.resolve()}
+    if (folder.parent / "latest").is_file():   # an iter_ folder: its train.save root is the source too
+        sources.add(folder.parent.resolve())
+    for checkpoint in sorted(sources, key=lambda p: len(p.parts)):
+        refuse_output_inside(output, checkpoint, "the checkpoint being converted", "converted")
+    if output.exists() and not output.is_dir():
+        raise OutputExistsError(f"--output {output} is a file: give a new folder for the converted checkpoint.")
     if output.exists() and any(output.iterdir()):
         raise OutputExistsError(f"{output} exists and is not empty: give a new folder for the converted checkpoint.")
     problems = verify_checkpoint(folder)
@@ -271,15 +328,19 @@ def convert(source: Path, output: Path) -> Path:
     if has_reshardable_state(folder):
         raise CheckpointError(f"{folder} already holds re-shardable optimizer state ({FOLDER}/): it "
                               f"resumes at any layout as it is; nothing to convert.")
-    if client.get("weights_only"):
+    check_target_layout(client.model_config(), tensor_parallel, pipeline_parallel, folder)
+    if client.weights_only:
         raise CheckpointError(f"{folder} holds weights only (an import): there is no optimizer state to convert.")
-    if client["layout"]["zero_stage"] == 0:
-        raise CheckpointError(f"{folder} was saved at ZeRO-0, whose optimizer file does not name its "
-                              f"parameters: resume it once at its saving layout with "
-                              f"train.reshardable_optimizer=true and save, instead of converting.")
-    staging = output / ".incomplete" / folder.name
+    if client.layout is None:
+        raise CheckpointError(f"{folder} has no layout record (written before records existed): resume it "
+                              f"once at its saving layout with train.reshardable_optimizer=true and save, "
+                              f"instead of converting.")
+    if client.layout["zero_stage"] == 3:
+        raise CheckpointError(f"{folder} was saved at ZeRO-3, whose optimizer files hold flat partitions "
+                              f"without parameter boundaries: resume it at its saving layout, or load its "
+                              f"weights at another layout with train.load_optimizer=false.")
     created = not output.exists()
-    staging.mkdir(parents=True)
+    staging = staging_folder(output, folder.name)
     try:
         for name in checkpoint_files(folder):
             if name.startswith(f"{FOLDER}/"):
@@ -293,7 +354,7 @@ def convert(source: Path, output: Path) -> Path:
         extract_from_deepspeed(folder, client, staging / FOLDER)
         write_manifest(staging, manifest_entries(staging, checkpoint_files(staging)))
         final = commit(staging, output)
-        shutil.rmtree(output / ".incomplete", ignore_errors=True)
+        finish_staging(output)
         return final
     except BaseException:
         shutil.rmtree(output if created else staging, ignore_errors=True)

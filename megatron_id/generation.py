@@ -16,21 +16,23 @@ from typing import Iterator
 
 import torch
 
-from ..model import LanguageModel
+from .errors import BadOptionError
+from .model import LanguageModel
 
 
 def load_model_and_tokenizer(source, tokenizer=None):
     """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id) from a training checkpoint
     (root or iter folder) or an exported Hugging Face folder (it has config.json)."""
-    from ..data.tokenizer import eod_id, load_tokenizer
-    from .export import find_tokenizer, read_checkpoint, read_hf_folder
+    from .checkpoint.read import read_checkpoint
+    from .data.tokenizer import eod_id, find_tokenizer, load_tokenizer
+    from .hf.export import read_hf_folder
     source = Path(source)
     if (source / "config.json").is_file():
         _, cfg, weights = read_hf_folder(source)
         tokenizer = find_tokenizer(tokenizer, str(source / "tokenizer.json"), source)
     else:
         _, client, cfg, weights = read_checkpoint(source, also_export=True)
-        tokenizer = find_tokenizer(tokenizer, client.get("tokenizer"), source)
+        tokenizer = find_tokenizer(tokenizer, client.tokenizer, source)
     model = LanguageModel(cfg, seed=None)
     model.load_state_dict(weights, strict=True)
     tok = load_tokenizer(str(tokenizer))
@@ -40,7 +42,6 @@ def load_model_and_tokenizer(source, tokenizer=None):
 def check_options(max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                   prefill_chunk_size: int = 2048) -> None:
     """Refuse values that would silently generate nothing or fail deep inside the model."""
-    from .export import BadOptionError
     rules = [("--max-new-tokens", max_new_tokens, max_new_tokens >= 0, "at least 0 (tokens to generate)"),
              ("--temperature", temperature, temperature >= 0, "at least 0 (0: greedy)"),
              ("--top-k", top_k, top_k >= 0, "at least 0 (0: no top-k filter)"),
@@ -56,7 +57,6 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
                  temperature: float = 0.0, top_k: int = 0, prefill_chunk_size: int = 2048,
                  generator: torch.Generator | None = None) -> Iterator[int]:
     """Yield new token ids one at a time."""
-    from .export import BadOptionError
     if not prompt:
         raise BadOptionError("the prompt is empty (no tokens): give a prompt with some text.")
     check_options(max_new_tokens, temperature, top_k, prefill_chunk_size)

@@ -1,0 +1,162 @@
+"""Saving and loading a training run on DeepSpeed (collectives: every rank calls them).
+
+`save(trainer, root, client)`: DeepSpeed's model and ZeRO files into the staging folder, the
+re-shardable optimizer state (train.reshardable_optimizer), our client state, the manifest
+(hashed by all ranks in parallel), then the commit and pruning on rank 0.
+`load(trainer, root)`: verify every file (all ranks in parallel), then the cheapest exact way:
+  - the saving layout (and train.load_optimizer): DeepSpeed restores model and optimizer;
+  - another layout with optim/: weights and Adam state re-sharded per parameter (reshard.py);
+  - another layout without it, train.load_optimizer=false, or a weights-only import: this
+    rank's slices of the weights only (read.read_local_state), optimizer fresh;
+  - otherwise an error with the three ways out.
+`trainer` is the Trainer of training/engine.py: engine, cfg, layout, guard, tp_group, pipelined.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..parallel.pipeline import from_model_names, pipeline_state_dict
+from . import reshard
+from .files import (STAGING, ClientState, commit, describe, finish_staging, latest_folder, layout_record, prune,
+                    read_client_state, staging_folder, tag_for, write_client_state)
+from .integrity import (CheckpointError, checkpoint_files, manifest_entries, mark_settled, read_manifest,
+                        verify_checkpoint, warn_unverified, write_manifest)
+from .read import read_local_state
+from .rules import cross_layout_error, optimizer_state_loadable
+
+
+def current_layout(trainer) -> dict:
+    return layout_record(trainer.layout, trainer.cfg.train.zero_stage)
+
+
+def save(trainer, root, client: ClientState) -> Path:
+    root, tag = Path(root), tag_for(client.step)
+    staged = root / STAGING / tag
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        staging_folder(root, tag)
+    dist.barrier()
+    trainer.engine.save_checkpoint(str(root / STAGING), tag=tag, save_latest=False)
+    if trainer.cfg.train.reshardable_optimizer:
+        reshard.save(trainer, staged)
+    if rank0:
+        write_client_state(staged, client)
+    dist.barrier()   # every rank's files are written
+    _write_manifest(staged)
+    if rank0:
+        commit(staged, root)
+        finish_staging(root)
+        prune(root, keep=trainer.cfg.train.keep_last, current=tag)
+    dist.barrier()
+    return root / tag
+
+
+def _write_manifest(folder: Path) -> None:
+    """Sizes and sha256 of every file, hashed by all ranks in parallel (rank r takes every
+    world-th file), written by rank 0 last, before the commit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [checkpoint_files(folder) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    mine = manifest_entries(folder, names[0][rank::world])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        write_manifest(folder, {k: v for part in gathered for k, v in part.items()})
+
+
+def verify(folder: Path) -> None:
+    """Every file of a checkpoint against its manifest before loading it, hashed by all ranks
+    in parallel; a damaged file is named on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest = read_manifest(folder)
+    problems = [] if manifest is None else verify_checkpoint(folder, sorted(manifest)[rank::world])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, problems)
+    problems = [p for part in gathered for p in part]
+    if manifest is None and rank == 0:
+        warn_unverified(folder)
+    if problems:
+        err = CheckpointError(problems[0] + (f" ({len(problems) - 1} more damaged files: see "
+                                             f"megatron-id check-checkpoint {folder})" if len(problems) > 1 else ""))
+        err.same_on_every_rank = True
+        raise err
+    mark_settled(folder)   # reading its files next (client state, shards) does not hash them again
+
+
+def _say(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def load(trainer, root) -> ClientState:
+    """Load `root`/latest into the trainer's engine; returns its client state (the caller takes
+    step, evaluations, skipped steps and RNG from it)."""
+    root = Path(root)
+    path = latest_folder(root)
+    if path is None:
+        raise CheckpointError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
+    verify(path)
+    client = read_client_state(path)
+    current = current_layout(trainer)
+    saved = client.layout or current
+    want_optimizer = trainer.cfg.train.load_optimizer
+    if client.weights_only:   # written by `megatron-id import-hf`: weights, no optimizer
+        load_weights(trainer, path, saved)
+    elif want_optimizer and optimizer_state_loadable(saved, current):
+        _, loaded = trainer.engine.load_checkpoint(str(root), tag=path.name, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}.")
+    elif want_optimizer and reshard.has_reshardable_state(path):
+        if current["zero_stage"] == 3:
+            raise ConfigError(
+                f"checkpoint {path} was saved at {describe(saved)}; its re-shardable optimizer state "
+                f"cannot be loaded into ZeRO-3 (this run, {describe(current)}): ZeRO-3 keeps no whole "
+                f"parameter on any rank to set it into. Continue at train.zero_stage=1 or 2, or set "
+                f"train.load_optimizer=false to load the weights with fresh optimizer state.")
+        reshard.load(trainer, path)
+        _say(f"loaded {path} (saved at {describe(saved)}) into {describe(current)} with its "
+             f"optimizer state, re-sharded")
+    elif want_optimizer:
+        raise cross_layout_error(path, saved, current)
+    else:
+        load_weights(trainer, path, saved)
+        _say(f"loaded the weights of {path} (saved at {describe(saved)}) into {describe(current)}; "
+             f"optimizer state starts fresh (train.load_optimizer=false)")
+    return client
+
+
+def _local_model_names(trainer) -> list[str]:
+    """The single-device model's state-dict names this rank holds (its pipeline stage's)."""
+    from ..model import LanguageModel
+    cfg = trainer.cfg.model
+    if not trainer.pipelined:
+        return list(trainer.engine.module.state_dict())
+    with torch.device("meta"):
+        every = {name: name for name in LanguageModel(cfg, seed=None).state_dict()}
+    module, last = trainer.engine.module, cfg.n_layers + 2
+    names = []
+    for piece in range(module._local_start, module._local_stop):
+        tied_head = cfg.tie_embeddings and piece == last   # the head's matrix is piece 0's
+        names += from_model_names(every, 0 if tied_head else piece, cfg.n_layers, cfg.tie_embeddings).values()
+    return list(dict.fromkeys(names))
+
+
+def load_weights(trainer, folder: Path, saved: dict) -> None:
+    """This rank's slices of the weights of `folder` (saved at layout `saved`) into its module."""
+    cfg = trainer.cfg.model
+    tp, rank = dist.get_world_size(trainer.tp_group), dist.get_rank(trainer.tp_group)
+    local = read_local_state(folder, cfg, saved, tp, rank, _local_model_names(trainer))
+    module = trainer.engine.module
+    if trainer.pipelined:
+        local = pipeline_state_dict(local, module, cfg.n_layers, cfg.tie_embeddings)
+    import deepspeed   # ZeRO-3: a parameter holds its DP partition only: gather, copy, re-partition
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):   # no-op below ZeRO-3
+        module.load_state_dict(local, strict=True)
+    if hasattr(trainer.engine.optimizer, "refresh_fp32_params"):   # ZeRO keeps fp32 master copies
+        trainer.engine.optimizer.refresh_fp32_params()

@@ -1,0 +1,211 @@
+"""The checkpoint format: folder and file names, staging and the atomic commit, `latest`,
+pruning, and the client state.
+
+A checkpoint root (train.save) holds `iter_XXXXXXX/` folders (the step, 7 digits, Megatron's
+naming) and `latest`, the name of the newest complete one. One folder holds:
+  PP = 1   mp_rank_{tp:02d}_model_states.pt        {"module": state dict of TP rank tp, ...}
+  PP > 1   layer_{i:02d}-model_{tp:02d}-model_states.pt   one per pipeline piece i and TP rank
+           (piece 0 = embedding, 1..L = blocks, L+1 = final norm, L+2 = LM head, absent when
+           tied to the embedding; see parallel/pipeline.py)
+           and mp_rank_{r:02d}_model_states.pt per stage x TP rank (DeepSpeed's bookkeeping)
+  ZeRO     zero_pp_rank_{dp}_mp_rank_{r:02d}_optim_states.pt (DeepSpeed's optimizer partitions)
+  optim/   the optimizer state per parameter, loadable at any layout (reshard.py)
+  client_state.pt   ours: step, the layout that wrote the checkpoint, model config, tokenizer,
+           RNG (`ClientState`; read without loading any weights)
+  manifest.json     written last: size and sha256 of every other file (integrity.py)
+
+Writing: a save fills `<root>/.incomplete/<tag>` (`staging_folder`); `commit` renames the
+finished folder into place and only then replaces `latest` (atomically), so a kill at any moment
+leaves `latest` on a complete checkpoint; `prune` keeps the last K. Every file is read with
+`weights_only=True` (`load_file`), after its manifest check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from .integrity import CheckpointError, verify_file
+
+CLIENT_STATE = "client_state.pt"
+STAGING = ".incomplete"
+LOCK_FILE = ".lock"
+SAVE_FOLDER_ENTRIES = ("latest", ".latest.tmp", STAGING, LOCK_FILE)   # and iter_XXXXXXX
+
+
+def tag_for(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def step_of(tag: str) -> int:
+    return int(tag.removeprefix("iter_"))
+
+
+def module_file(tp: int) -> str:
+    return f"mp_rank_{tp:02d}_model_states.pt"
+
+
+def layer_file(piece: int, tp: int) -> str:
+    return f"layer_{piece:02d}-model_{tp:02d}-model_states.pt"
+
+
+# ------------------------------------------------------------ folders
+
+def is_checkpoint_root(path: Path) -> bool:
+    return (Path(path) / "latest").is_file()
+
+
+def latest_folder(root) -> Path | None:
+    """The folder `root`/latest names (None when there is no `latest`)."""
+    root = Path(root)
+    if not (root / "latest").is_file():
+        return None
+    tag = (root / "latest").read_text().strip()
+    if not tag or "/" in tag or not (root / tag).is_dir():
+        raise CheckpointError(f"{root}/latest names '{tag}' but {root / tag} does not exist: write the "
+                              f"name of an existing iter_XXXXXXX folder of {root} into {root}/latest.")
+    return root / tag
+
+
+def staging_folder(root: Path, tag: str) -> Path:
+    """An empty `<root>/.incomplete/<tag>` for a save to fill (a leftover of a killed save of the
+    same step is removed). Call on one rank."""
+    staged = Path(root) / STAGING / tag
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    return staged
+
+
+def commit(staged: Path, root: Path) -> Path:
+    """Rename the complete folder `staged` to `root`/<its name>, then point `latest` at it: a
+    kill at any moment leaves `latest` on a complete checkpoint."""
+    final = root / staged.name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staged, final)
+    tmp = root / ".latest.tmp"
+    tmp.write_text(staged.name)
+    os.replace(tmp, root / "latest")   # the commit point
+    return final
+
+
+def finish_staging(root: Path) -> None:
+    """After a commit: what is left in .incomplete is DeepSpeed's helper scripts (zero_to_fp32.py)."""
+    shutil.rmtree(Path(root) / STAGING, ignore_errors=True)
+
+
+def prune(root: Path, keep: int, current: str) -> None:
+    """Keep the newest `keep` iter_ folders (0: all); never the one just written."""
+    tags = sorted(p.name for p in Path(root).glob("iter_*") if p.is_dir())
+    for old in tags[:-keep] if keep > 0 else []:
+        if old != current:
+            shutil.rmtree(Path(root) / old, ignore_errors=True)
+
+
+def remove_stale_staging(folder) -> list[str]:
+    """Staging folders and temp files that killed saves left in train.save (only called while
+    holding the SaveLock, so no live run is writing them). Returns what was removed."""
+    folder = Path(folder)
+    removed = [str(p) for p in sorted((folder / STAGING).glob("iter_*"))]
+    if (folder / ".latest.tmp").exists():
+        removed.append(str(folder / ".latest.tmp"))
+        (folder / ".latest.tmp").unlink()
+    finish_staging(folder)   # the rest is DeepSpeed's helper scripts, not news
+    return removed
+
+
+# ------------------------------------------------------------ reading one file
+
+def load_file(path: Path) -> dict:
+    """A checkpoint file, checked against its folder's manifest, loaded with weights_only=True.
+    mmap: tensors stay on disk until touched (a rank that keeps a slice reads only that)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete "
+                              f"or was written by another layout than its record says.")
+    verify_file(path.parent, path.name)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:   # a file the manifest cannot vouch for (no manifest) and torch cannot read
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}): the file is "
+                              f"damaged. Use an older checkpoint.") from None
+
+
+# ------------------------------------------------------------ the client state
+
+@dataclasses.dataclass
+class ClientState:
+    """Ours, beside DeepSpeed's files: what a resume, an export or a re-shard needs to know
+    without loading weights. Stored as a plain dict (loads with weights_only=True)."""
+    step: int
+    model: dict                       # the ModelConfig as plain values (model_config_dict)
+    layout: dict | None = None        # layout_record of the writer; None: written before records
+    consumed_samples: int | None = None   # the data position (step x global batch); None: older
+    tokenizer: str | None = None      # absolute path of data.tokenizer
+    evaluations: int = 0              # validation rounds done (each reads new batches)
+    skipped_steps: int = 0            # non-finite steps skipped so far
+    rng: dict | None = None           # rng_state() of rank 0
+    weights_only: bool = False        # written by import-hf: no optimizer state
+
+    def model_config(self) -> ModelConfig:
+        return model_config_from_dict(self.model)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, path: Path) -> "ClientState":
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(values, dict) or "step" not in values or "model" not in values:
+            raise CheckpointError(f"{path} is not a megatron_id client state (no step or model config).")
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def write_client_state(folder: Path, client: ClientState) -> None:
+    torch.save(client.to_dict(), Path(folder) / CLIENT_STATE)
+
+
+def read_client_state(folder: Path) -> ClientState:
+    path = Path(folder) / CLIENT_STATE
+    return ClientState.from_dict(load_file(path), path)
+
+
+def model_config_dict(cfg: ModelConfig) -> dict:
+    """The model config as plain values (enums as strings): loads with weights_only=True."""
+    from enum import Enum
+    return {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+
+
+def layout_record(layout, zero_stage: int) -> dict:
+    return {"tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data, "zero_stage": zero_stage}
+
+
+def describe(record: dict) -> str:
+    return (f"TP={record['tensor']}, PP={record['pipe']}, DP={record['data']}, "
+            f"ZeRO-{record['zero_stage']}")
+
+
+# RNG states as tensors and ints, so the files load with weights_only=True.
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))

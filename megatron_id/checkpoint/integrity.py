@@ -1,0 +1,138 @@
+"""Checkpoint integrity: `manifest.json` in every checkpoint folder, written last before the
+commit, holds the size and sha256 of every other file. Every file this package reads is checked
+against it first (size, then sha256), and the trainer checks every file (hashed by all ranks in
+parallel) before DeepSpeed loads them, so a damaged shard is refused with its name instead of
+training to NaN. `megatron-id check-checkpoint DIR` checks offline. A folder without
+manifest.json (written before manifests existed) loads unchecked, with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megatron_id.checkpoint_manifest/1"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or damaged; the message names the file."""
+
+
+# ------------------------------------------------------------ the manifest
+
+def file_digest(path: Path, block: int = 1 << 24) -> str:
+    """sha256 of a file, read in 16 MiB blocks (bounded memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_entries(folder: Path, names) -> dict:
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": file_digest(folder / name)}
+            for name in names}
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """The files a manifest covers: everything in the folder but the manifest, sorted."""
+    return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*")
+                  if p.is_file() and p.name != MANIFEST and not p.name.startswith(".manifest"))
+
+
+def write_manifest(folder: Path, entries: dict) -> None:
+    folder = Path(folder)
+    tmp = folder / ".manifest.tmp"
+    tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": entries},
+                              indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, folder / MANIFEST)
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """{file name: {"bytes", "sha256"}}, or None for a folder written before manifests."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        assert data["format"] == MANIFEST_FORMAT and isinstance(data["files"], dict)
+        return data["files"]
+    except (ValueError, KeyError, AssertionError, TypeError):
+        raise CheckpointError(f"{path} is damaged (not a {MANIFEST_FORMAT} file): the checkpoint "
+                              f"cannot be verified. Use an older checkpoint (edit `latest`) or "
+                              f"re-save.") from None
+
+
+# Folders this process need not check again: every file was verified (Trainer._verify, all ranks
+# together, just before loading), or the folder has no manifest and that was said once. Keyed
+# with the manifest's mtime, so a folder written anew under the same name is checked again.
+_settled: set = set()
+
+
+def _settled_key(folder: Path):
+    manifest = folder / MANIFEST
+    return folder.resolve(), manifest.stat().st_mtime_ns if manifest.exists() else None
+
+
+def mark_settled(folder: Path) -> None:
+    _settled.add(_settled_key(Path(folder)))
+
+
+def warn_unverified(folder: Path) -> None:
+    print(f"warning: {folder} has no {MANIFEST} (saved before checkpoints carried one): "
+          f"its files are not verified", file=sys.stderr, flush=True)
+
+
+def verify_file(folder: Path, name: str, manifest: dict | None = "read") -> None:
+    """Check one file of a checkpoint folder against its manifest (size, then sha256)."""
+    folder = Path(folder)
+    if _settled_key(folder) in _settled:
+        return
+    manifest = read_manifest(folder) if manifest == "read" else manifest
+    path = folder / name
+    if manifest is None:
+        warn_unverified(folder)
+        mark_settled(folder)
+        return
+    entry = manifest.get(name)
+    if entry is None:
+        raise CheckpointError(f"{path} is not listed in {folder / MANIFEST}: the file does not belong "
+                              f"to this checkpoint. Remove it, or use another checkpoint.")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing (listed in {folder / MANIFEST}): the checkpoint is "
+                              f"incomplete. Use an older checkpoint (edit {folder.parent / 'latest'}).")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path} has {size} bytes, the manifest says {entry['bytes']}: the file "
+                              f"is truncated or damaged. Use an older checkpoint (edit "
+                              f"{folder.parent / 'latest'}) or restore this file.")
+    if file_digest(path) != entry["sha256"]:
+        raise CheckpointError(f"{path} does not match its sha256 in {folder / MANIFEST}: the file is "
+                              f"damaged. Use an older checkpoint (edit {folder.parent / 'latest'}) or "
+                              f"restore this file.")
+
+
+def verify_checkpoint(folder: Path, names=None) -> list[str]:
+    """Problems of a checkpoint folder (every file, or `names`): [] when healthy."""
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as err:
+        return [str(err)]
+    if manifest is None:
+        return [f"{folder} has no {MANIFEST}: it cannot be verified"]
+    problems = []
+    for name in sorted(manifest) if names is None else names:
+        try:
+            verify_file(folder, name, manifest)
+        except CheckpointError as err:
+            problems.append(str(err))
+    if names is None:   # the whole folder: files that no manifest vouches for are a problem too
+        extra = sorted(set(checkpoint_files(folder)) - set(manifest))
+        problems += [f"{folder / n} is not listed in {folder / MANIFEST}" for n in extra]
+    return problems

@@ -1,0 +1,195 @@
+"""Reading the weights of a checkpoint written at any (TP, PP) layout, and writing a
+weights-only checkpoint (what `megatron-id import-hf` produces).
+
+`read_model_state` gives the whole single-device (TP=1, unpadded) state dict: export, generate.
+`read_local_state` gives one rank of another layout only its own slices: the saved shards are
+memory-mapped (load_file) and only the rows or columns this rank keeps are copied out of the
+ones that hold them, so no rank materialises the whole model (benchmarks/reshard_memory.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from ..parallel.pipeline import from_model_names, saved_pieces, to_model_names
+from ..parallel.tensor_parallel import VOCAB_PARAMETERS, merge_state_dicts, padded_vocab_size, partition_dim
+from .files import (CLIENT_STATE, ClientState, commit, finish_staging, latest_folder, layer_file, load_file,
+                    module_file, read_client_state, staging_folder, tag_for, write_client_state)
+from .integrity import checkpoint_files, manifest_entries, write_manifest
+
+
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """A --checkpoint that is missing, is not a training checkpoint, or lacks files it names."""
+
+
+def checkpoint_folder(path, also_export: bool = False) -> Path:
+    """A checkpoint root (with `latest`) or one iter_XXXXXXX folder -> the folder.
+    also_export: the caller (generate) accepts an exported folder too; the errors say so."""
+    path = Path(path)
+    accepted = "the train.save folder of a run (it holds `latest`) or one of its iter_XXXXXXX folders" + \
+        (", or a folder written by megatron-id export-hf" if also_export else "")
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist: give {accepted}.")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint {path} is a file, not a checkpoint folder: give {accepted}.")
+    folder = latest_folder(path)   # its error names a `latest` that points nowhere, and the fix
+    if folder is not None:
+        return folder
+    if (path / CLIENT_STATE).is_file():
+        return path
+    raise CheckpointNotFoundError(f"{path} is not a training checkpoint: it has neither `latest` (a train.save "
+                                  f"folder) nor {CLIENT_STATE} (an iter_XXXXXXX folder). Give {accepted}.")
+
+
+def read_checkpoint(path, also_export: bool = False):
+    """A training checkpoint -> (its folder, ClientState, ModelConfig, TP=1 weights)."""
+    folder = checkpoint_folder(path, also_export)
+    client = read_client_state(folder)
+    cfg = client.model_config()
+    return folder, client, cfg, read_model_state(folder, cfg, client.layout)
+
+
+class _Zero3Parameter:
+    """One parameter of a ZeRO-3 checkpoint: DP rank d holds piece d (ceil(numel / DP) elements,
+    the last zero-padded) of every parameter in its fp32 flat groups, parameter after parameter.
+    Assembled from the memory-mapped pieces only when indexed (one parameter at a time)."""
+
+    def __init__(self, flats: list, offset: int, shape: torch.Size):
+        self.flats, self.offset, self.shape = flats, offset, shape
+        self.piece = -(-shape.numel() // len(flats))
+
+    def full(self) -> torch.Tensor:
+        pieces = [f[self.offset:self.offset + self.piece] for f in self.flats]
+        return torch.cat(pieces)[:self.shape.numel()].view(self.shape)
+
+    def __getitem__(self, index):
+        return self.full()[index]
+
+
+def zero3_model_file(dp: int, tp: int) -> str:
+    return f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt"
+
+
+def zero3_optim_file(dp: int, tp: int) -> str:
+    return f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
+
+
+def _zero3_shard(folder: Path, tp: int, dp: int, tied: bool) -> dict:
+    """TP rank `tp`'s {model name: _Zero3Parameter} of a ZeRO-3 checkpoint (PP = 1). DeepSpeed's
+    model files hold empty placeholders there ("module": every tensor of shape (0,)) and the
+    parameter order (param_shapes); the weights are the fp32 partitions of the optimizer files."""
+    from .integrity import verify_file
+    from .reshard import _deepspeed_safe_globals
+    shapes = [(name, shape) for group in load_file(folder / zero3_model_file(0, tp))["param_shapes"]
+              for name, shape in group.items()]
+    flats = []
+    for d in range(dp):
+        path = folder / zero3_optim_file(d, tp)
+        if not path.is_file():
+            raise UserError(f"checkpoint file {path} is missing: the checkpoint is incomplete.")
+        verify_file(folder, path.name)
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            groups = torch.load(path, map_location="cpu", weights_only=True, mmap=True)[
+                "optimizer_state_dict"]["fp32_flat_groups"]
+        flats.append(groups[0] if len(groups) == 1 else torch.cat(groups))
+    shard, offset = {}, 0
+    for name, shape in shapes:
+        shard[name] = _Zero3Parameter(flats, offset, shape)
+        offset += shard[name].piece
+    if offset != flats[0].numel():
+        raise UserError(f"{folder}: the ZeRO-3 partitions of TP rank {tp} hold {flats[0].numel()} "
+                        f"elements per DP rank, its parameters need {offset}: not a checkpoint of this model.")
+    if tied:   # stored once, as embed.weight (DeepSpeed names the pair in global rank 0's file only)
+        shard["lm_head.weight"] = shard["embed.weight"]
+    return shard
+
+
+def _saved_shards(folder: Path, cfg: ModelConfig, saved: dict) -> list[dict]:
+    """Per saved TP rank, {model name: tensor}, memory-mapped (nothing read yet)."""
+    shards = []
+    for tp in range(saved["tensor"]):
+        if saved["zero_stage"] == 3:
+            shards.append(_zero3_shard(folder, tp, saved["data"], cfg.tie_embeddings))
+            continue
+        if saved["pipe"] == 1:
+            shards.append(dict(load_file(folder / module_file(tp))["module"]))
+            continue
+        shard = {}
+        for piece in saved_pieces(cfg):
+            shard.update(to_model_names(piece, load_file(folder / layer_file(piece, tp)), cfg.n_layers))
+        shards.append(shard)
+    return shards
+
+
+def read_model_state(folder: Path, cfg: ModelConfig, saved: dict) -> dict:
+    """The TP=1, unpadded LanguageModel state dict held by checkpoint folder `folder`."""
+    shards = [{name: t.full() if isinstance(t, _Zero3Parameter) else t for name, t in shard.items()}
+              for shard in _saved_shards(Path(folder), cfg, saved)]
+    return merge_state_dicts(shards, cfg)
+
+
+def local_slice(name: str, cfg: ModelConfig, tp: int, rank: int, parts: list) -> torch.Tensor:
+    """TP rank `rank`'s piece (vocabulary padded for `tp`) of parameter `name`, taken from `parts`:
+    the stored pieces, in order along the partition dim (one part: a TP=1 tensor; several: the
+    shards of the saving TP). Each part is (shape, take), take(index tuple) -> tensor; only the
+    rows or columns this rank keeps are taken (memory-mapped or lazy sources read nothing else)."""
+    dim = partition_dim(name)
+    if dim is None:   # replicated: every saved shard holds it whole
+        shape, take = parts[0]
+        return take(tuple(slice(None) for _ in shape)).clone()
+    sizes = [shape[dim] for shape, _ in parts]
+    full = cfg.vocab_size if name in VOCAB_PARAMETERS else sum(sizes)
+    per = (padded_vocab_size(cfg, tp) if name in VOCAB_PARAMETERS else full) // tp
+    start, stop = rank * per, min((rank + 1) * per, full)
+    pieces, offset = [], 0
+    for (shape, take), size in zip(parts, sizes):
+        lo, hi = max(start, offset), min(stop, offset + size)
+        if hi > lo:
+            index = tuple(slice(lo - offset, hi - offset) if d == dim else slice(None) for d in range(len(shape)))
+            pieces.append(take(index))
+        offset += size
+    shape = list(parts[0][0])
+    shape[dim] = 0
+    tensor = torch.cat(pieces, dim=dim) if pieces else torch.zeros(shape)
+    if tensor.shape[dim] < per:   # vocabulary padding rows (dim 0), zero as in split_state_dict
+        tensor = torch.nn.functional.pad(tensor, (0, 0, 0, per - tensor.shape[dim]))
+    return tensor.clone()
+
+
+def read_local_state(folder: Path, cfg: ModelConfig, saved: dict, tp: int, rank: int, names) -> dict:
+    """{name: TP rank `rank`'s piece at TP=`tp`} for the model names `names`, from a checkpoint
+    saved at layout `saved`: the weights a rank of another layout loads."""
+    shards = _saved_shards(Path(folder), cfg, saved)
+    out = {}
+    for name in names:
+        parts = []
+        for shard in shards:
+            if name not in shard:
+                raise UserError(f"{folder} has no tensor {name}: the checkpoint is of another model "
+                                f"than this run's config.")
+            parts.append((tuple(shard[name].shape), shard[name].__getitem__))
+        out[name] = local_slice(name, cfg, tp, rank, parts)
+    return out
+
+
+def write_weights_only(staging: Path, shards: list[dict], cfg: ModelConfig, pipeline_parallel: int,
+                       client: ClientState) -> Path:
+    """A complete checkpoint root in `staging` (an empty folder) holding one folder of weights:
+    one state dict per TP rank (`shards`), in the file layout of a PP=`pipeline_parallel` run,
+    written as the trainer writes (staging folder, manifest last, commit)."""
+    incomplete = staging_folder(staging, tag_for(client.step))
+    for tp, shard in enumerate(shards):
+        if pipeline_parallel == 1:
+            torch.save({"module": shard}, incomplete / module_file(tp))
+            continue
+        for piece in saved_pieces(cfg):
+            torch.save(from_model_names(shard, piece, cfg.n_layers, cfg.tie_embeddings),
+                       incomplete / layer_file(piece, tp))
+    write_client_state(incomplete, client)
+    write_manifest(incomplete, manifest_entries(incomplete, checkpoint_files(incomplete)))   # last
+    final = commit(incomplete, staging)
+    finish_staging(staging)
+    return final
