@@ -282,7 +282,12 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
         (staging / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": ids["eos_token"],
              "bos_token": ids["eos_token"], "pad_token": ids["eos_token"], "unk_token": ids["eos_token"],
-             "model_max_length": 10**9}, indent=2) + "\n")
+             # the training context: lm-evaluation-harness sizes its windows and its --batch_size
+             # auto probe by it (the model itself has no length limit; longer inputs work)
+             "model_max_length": cfg.seq_length,
+             # left padding runs each row as if alone (the model's forward); right padding
+             # scores correctly too but leaves no cache to generate from
+             "padding_side": "left"}, indent=2) + "\n")
 
     return write_folder(output, build)
 

@@ -38,16 +38,38 @@ def training_model_config(config: MegatronIDConfig) -> SimpleNamespace:
     return SimpleNamespace(**m)
 
 
+# transformers 5.24 renamed the output field past_key_values to cache; write whichever the
+# installed version has (5.0-5.23: past_key_values), and accept both names as input
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 class RecurrentCache:
-    """Per-layer states of the training model, and how many tokens they have seen."""
+    """Per-layer states of the training model, how many tokens they have seen, and, for a
+    left-padded batch, each row's first real position (so that later calls without an
+    attention mask still know where each row starts)."""
 
     is_compileable = False
 
-    def __init__(self, states: list, seen_tokens: int):
-        self.states, self.seen_tokens = states, seen_tokens
+    def __init__(self, states: list, seen_tokens: int, start: torch.Tensor | None = None):
+        self.states, self.seen_tokens, self.start = states, seen_tokens, start
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i of the batch continues from row beam_idx[i]. Every per-row tensor
+        is indexed along its batch dimension; the parameter-only step tables are shared."""
+        def pick(x):
+            if isinstance(x, torch.Tensor):
+                return x.index_select(0, beam_idx.to(x.device))
+            if isinstance(x, dict):
+                return {k: (v if k == "tables" else pick(v)) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(pick(y) for y in x)
+            return x   # positions (ints)
+        self.states = pick(self.states)
+        if self.start is not None:
+            self.start = pick(self.start)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the cache holds, by path (to measure its size or compare two caches)."""
@@ -69,9 +91,30 @@ class RecurrentCache:
         return out
 
 
+def padding_of(attention_mask: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """attention_mask [B, L] (1 = real token) -> (start [B]: each row's first real position, or
+    None when no row starts with padding; whether some row ends with padding). A row must be
+    padding, then tokens, then padding: holes in the middle are refused."""
+    real = attention_mask.bool()
+    L = real.shape[1]
+    if bool(real.all()):
+        return None, False
+    positions = torch.arange(L, device=real.device)
+    first = torch.where(real, positions, L).min(dim=1).values
+    last = torch.where(real, positions, -1).max(dim=1).values
+    count = real.sum(dim=1)
+    if bool(((last - first + 1 != count) & (count > 0)).any()):
+        raise ValueError("attention_mask has padding between real tokens in a row: pad only at the start "
+                         "(tokenizer.padding_side = 'left', as for generation) or at the end of each row.")
+    right = bool(((last < L - 1) & (count > 0)).any())
+    return (first if bool((first > 0).any()) else None), right
+
+
 class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MegatronIDConfig
     base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
     # applied by transformers only when config.tie_word_embeddings (model.tie_embeddings) is set:
     # loading builds the modules on the meta device, which unties the training model's own tie
@@ -96,40 +139,117 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):
         pass   # weights always come from model.safetensors
 
+    # gradient_checkpointing_enable() / activation_checkpointing_enable() set this flag (through
+    # transformers' _set_gradient_checkpointing): it is the training model's own per-block
+    # recomputation (train.activation_checkpointing)
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.activation_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enable: bool) -> None:
+        self.model.activation_checkpointing = bool(enable)
+
     def get_input_embeddings(self):
         return self.model.embed
+
+    def set_input_embeddings(self, value):
+        self.model.embed = value
 
     def get_output_embeddings(self):
         return self.model.lm_head
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask=None, labels=None,
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        """transformers' resize, with the training config's vocab_size kept in step (it is what
+        the bundled model and megatron-id import-hf read)."""
+        out = super().resize_token_embeddings(*args, **kwargs)
+        size = self.model.embed.weight.shape[0]
+        self.config.model["vocab_size"] = self.config.vocab_size = size
+        self.model.cfg.vocab_size = size
+        return out
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
+        """Only the tokens the cache has not seen; inputs_embeds on the first call only."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen = cache.get_seq_length() if cache is not None else 0
+        inputs = {"attention_mask": attention_mask, "use_cache": kwargs.get("use_cache"),
+                  CACHE_FIELD: cache, "logits_to_keep": kwargs.get("logits_to_keep", 0) or 0}
+        if inputs_embeds is not None and seen == 0:
+            inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
+        else:
+            embedded = inputs_embeds.shape[1] if inputs_embeds is not None else 0
+            # with inputs_embeds, input_ids holds only the generated tokens: position seen - embedded
+            inputs["input_ids"] = input_ids[:, seen - embedded:] if seen else input_ids
+        return inputs
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask=None, labels=None,
                 cache: RecurrentCache | None = None, use_cache: bool | None = None,
                 prefill_chunk_size: int | None = None, logits_to_keep: int = 0,
-                **kwargs) -> CausalLMOutputWithPast:
+                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                past_key_values: RecurrentCache | None = None, **kwargs) -> CausalLMOutputWithPast:
         """logits_to_keep > 0 returns only the last positions' logits (generate() asks for 1), so
-        a chunked prefill never holds the logits of the whole prompt."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported: the recurrent state would absorb the "
-                             "padding. Generate one prompt at a time or left-trim to equal lengths.")
-        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        chunk = prefill_chunk_size or self.config.prefill_chunk_size
+        a chunked prefill never holds the logits of the whole prompt.
+
+        Padding (attention_mask): rows padded on the left run as if alone (each row's state and
+        RoPE positions start at its first real token), so batched generation equals generating
+        one prompt at a time. Rows padded on the right get the right logits at their real
+        positions, but no cache (a recurrent state cannot forget padding it has absorbed)."""
+        cache = cache if cache is not None else past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        length = inputs.shape[1]
         states, seen = (cache.states, cache.seen_tokens) if cache is not None else (None, 0)
-        pieces = []
-        for start in range(0, input_ids.shape[1], chunk if use_cache and chunk else input_ids.shape[1]):
-            part = input_ids[:, start:start + chunk] if use_cache and chunk else input_ids
+        start, right_padded = (cache.start if cache is not None else None), False
+        if attention_mask is not None:
+            if attention_mask.shape[1] not in (length, seen + length):
+                raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {seen} cached and "
+                                 f"{length} new tokens: give it {seen + length} (all tokens) or {length}.")
+            new_start, right_padded = padding_of(attention_mask[:, -(seen + length):] if
+                                                 attention_mask.shape[1] == seen + length else attention_mask)
+            if attention_mask.shape[1] == seen + length:
+                start = new_start
+            elif new_start is not None:
+                raise ValueError("left padding after the first call: pad only the prompt.")
+        if self.model.activation_checkpointing and self.training and torch.is_grad_enabled() and use_cache is None:
+            use_cache = False   # checkpointing recomputes full sequences; it keeps no state
+        if right_padded:
             if use_cache:
-                logits, states = self.model(part, states=states, return_states=True)
+                raise ValueError("use_cache=True with rows padded on the right: the state would absorb the "
+                                 "padding. Pad on the left (tokenizer.padding_side = 'left') to generate, or "
+                                 "pass use_cache=False to score.")
+            use_cache = False
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else getattr(self.config, "output_hidden_states", False))
+        chunk = prefill_chunk_size or self.config.prefill_chunk_size
+        step = chunk if use_cache and chunk else length
+        pieces, hidden = [], []
+        for offset in range(0, length, step):
+            part = {"tokens": None if input_ids is None else input_ids[:, offset:offset + step],
+                    "embeddings": None if inputs_embeds is None else inputs_embeds[:, offset:offset + step],
+                    "start": start, "hidden_states": [] if output_hidden_states else None}
+            if use_cache:
+                logits, states = self.model(**part, states=states, return_states=True)
             else:
-                logits = self.model(part)
+                logits = self.model(**part)
             pieces.append(logits)
+            hidden.append(part["hidden_states"])
             if logits_to_keep:   # drop what can no longer be among the last positions
                 pieces = [torch.cat(pieces, dim=1)[:, -logits_to_keep:]]
         logits = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         loss = None
-        if labels is not None and logits.shape[1] != input_ids.shape[1]:
+        if labels is not None and logits.shape[1] != length:
             raise ValueError("labels need the logits of every position: leave logits_to_keep at 0.")
         if labels is not None:   # labels are the inputs (shifted here), -100 ignored: HF's convention
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        new_cache = RecurrentCache(states, seen + input_ids.shape[1]) if use_cache else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache)
+        hidden_states = None
+        if output_hidden_states:   # per layer, the chunks joined along the sequence
+            hidden_states = tuple(torch.cat(layer, dim=1) for layer in zip(*hidden))
+        new_cache = RecurrentCache(states, seen + length, start) if use_cache else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden_states,
+                                      **{CACHE_FIELD: new_cache})

@@ -46,8 +46,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, ffn_hidden_size(cfg), cfg.init_std, residual_std)
 
-    def forward(self, h, state=None, return_state=False):
-        out = self.mixer(self.mixer_norm(h), state=state, return_state=return_state)
+    def forward(self, h, state=None, return_state=False, start=None):
+        kwargs = {} if start is None else {"start": start}   # (start: left padding, see the mixers)
+        out = self.mixer(self.mixer_norm(h), state=state, return_state=return_state, **kwargs)
         mixed, state = out if return_state else (out, None)
         h = h + mixed
         h = h + self.ffn(self.ffn_norm(h))
@@ -77,20 +78,32 @@ class LanguageModel(nn.Module):
         if seed is not None:
             initialize(self, seed)
 
-    def forward(self, tokens, states=None, return_states=False):
+    def forward(self, tokens, states=None, return_states=False, *, embeddings=None, start=None,
+                hidden_states: list | None = None):
         """tokens [B, N] -> logits [B, N, V]. `states` (one per layer, from an earlier call with
-        return_states=True) continue a prefix: prefill and decode use the same call."""
-        h = self.embed(tokens)
+        return_states=True) continue a prefix: prefill and decode use the same call.
+        For clients such as the Hugging Face model: `embeddings` [B, N, d] replace embed(tokens);
+        `start` [B] marks left padding (each row's first real position, counted from the start
+        of the sequence the states hold); `hidden_states`, a list, receives the embeddings and
+        each layer's output (the last one after the final norm, as Hugging Face models do)."""
+        h = self.embed(tokens) if embeddings is None else embeddings
+        if hidden_states is not None:
+            hidden_states.append(h)
         new_states = []
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training and torch.is_grad_enabled() and not return_states:
-                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
-                continue
-            out = layer(h, state=states[i] if states else None, return_state=return_states)
-            h = out[0] if return_states else out
-            if return_states:
-                new_states.append(out[1])
-        logits = self.lm_head(self.norm(h))
+                h = torch.utils.checkpoint.checkpoint(layer, h, None, False, start, use_reentrant=False)
+            else:
+                out = layer(h, state=states[i] if states else None, return_state=return_states, start=start)
+                h = out[0] if return_states else out
+                if return_states:
+                    new_states.append(out[1])
+            if hidden_states is not None:
+                hidden_states.append(h)
+        h = self.norm(h)
+        if hidden_states is not None:
+            hidden_states[-1] = h
+        logits = self.lm_head(h)
         return (logits, new_states) if return_states else logits
 
 

@@ -83,8 +83,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * weight.to(xf.dtype)).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
-    """Rotary embedding on [B, N, H, D] at positions offset..offset+N-1.
+def apply_rope(x: torch.Tensor, offset, theta: float) -> torch.Tensor:
+    """Rotary embedding on [B, N, H, D] at positions offset..offset+N-1; `offset` is an int, or
+    a [B] tensor of per-row offsets (left-padded rows count positions from their first token).
 
     Half-split layout (pairs i and i + D/2, "rotate_half"), as in GPT-NeoX and HF Llama, so
     exported weights need no permutation. Angles are computed per call: no table, no length cap.
@@ -92,11 +93,24 @@ def apply_rope(x: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
     B, N, H, D = x.shape
     dtype = compute_dtype(x)
     inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)
-    pos = torch.arange(offset, offset + N, device=x.device, dtype=dtype)
-    angles = torch.outer(pos, inv_freq)                       # [N, D/2]
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    if isinstance(offset, torch.Tensor):
+        pos = offset.to(x.device, dtype)[:, None] + torch.arange(N, device=x.device, dtype=dtype)
+        angles = pos[..., None] * inv_freq                    # [B, N, D/2]
+        cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    else:
+        pos = torch.arange(offset, offset + N, device=x.device, dtype=dtype)
+        angles = torch.outer(pos, inv_freq)                   # [N, D/2]
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def left_padding(start: torch.Tensor, pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that begin with padding: start [B] is the position of each row's first real token.
+    Returns which of the positions pos..pos+n-1 are real ([B, n] bool) and each row's RoPE
+    offset for the first of them ([B]: positions count from the row's first real token)."""
+    positions = pos + torch.arange(n, device=start.device)
+    return positions[None, :] >= start[:, None], pos - start
 
 
 def feature_map(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

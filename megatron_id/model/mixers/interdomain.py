@@ -24,7 +24,7 @@ from torch import nn
 
 from ...ops.interdomain import FORMS, recurrent_interdomain, step_tables
 from ...ops.interdomain.ssm import s4d_inv_init
-from ..layers import Linear, RMSNorm, ShortConv, apply_rope, feature_map
+from ..layers import Linear, RMSNorm, ShortConv, apply_rope, feature_map, left_padding
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL, SSM_PER_HEAD, SSM_SHARED_NORM, WITH_HEADS
 
 DT_MIN, DT_MAX = 1e-3, 1e-1
@@ -97,14 +97,25 @@ class InterdomainMixer(nn.Module):
     def _heads(self, x):   # -1 heads: the same code runs on a tensor-parallel shard's heads
         return x.view(*x.shape[:2], -1, self.head_dim)
 
-    def forward(self, x, state=None, return_state=False):
-        """x [B, N, d]. state {'ssm': [B, H, M, P] complex, 'conv': {...}, 'pos': int} or None."""
+    def forward(self, x, state=None, return_state=False, start=None):
+        """x [B, N, d]. state {'ssm': [B, H, M, P] complex, 'conv': {...}, 'pos': int} or None.
+        start [B] or None: left padding, each row's first real position (counted like 'pos').
+        Padded positions leave no trace: their conv inputs, keys and values are zero, so the
+        state a row reaches is the one it would reach alone (the update is linear in [k, v]),
+        and RoPE counts each row's positions from its first real token."""
         pos = state["pos"] if state else 0
         conv_in = state["conv"] if state else {}
         conv_out = {}
+        rope_offset, real = pos, None
+        if start is not None:
+            real, rope_offset = left_padding(start, pos, x.shape[1])
+            real = real[..., None]   # [B, N, 1]: broadcasts over channels
+
+        def only_real(y):   # where(), not a product: nothing computed at a pad can leak
+            return y if real is None else torch.where(real.view(*real.shape, *[1] * (y.dim() - 3)), y, 0)
 
         def conv(name, y):
-            y, conv_out[name] = getattr(self, name)(y, conv_in.get(name))
+            y, conv_out[name] = getattr(self, name)(only_real(y), conv_in.get(name))
             return self._heads(y)
 
         if self.dual_kv_input:
@@ -112,16 +123,16 @@ class InterdomainMixer(nn.Module):
         else:
             key, value = conv("a_conv", self.a_proj(x)), conv("b_conv", self.b_proj(x))
         if self.rope:
-            key = apply_rope(key, pos, self.rope_theta)
+            key = apply_rope(key, rope_offset, self.rope_theta)
         if self.dual_kv_input:
             key = feature_map(key)
-        key = self.k_norm(key) + self.k_bias
-        value = self.v_norm(value) + self.v_bias
+        key = only_real(self.k_norm(key) + self.k_bias)
+        value = only_real(self.v_norm(value) + self.v_bias)
         query = None
         if self.query_readout:
             query = conv("q_conv", self.q_proj(x))
             if self.rope:
-                query = apply_rope(query, pos, self.rope_theta)
+                query = apply_rope(query, rope_offset, self.rope_theta)
             query = feature_map(query)
 
         kwargs = dict(readout=self.readout, c_vec=getattr(self, "c_vec", None),
