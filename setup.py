@@ -27,8 +27,15 @@ setup(
     ],
     extras_require={
         # loading exported folders with AutoModelForCausalLM (exporting itself needs only safetensors)
-        "hf": ["transformers>=5.0,<6"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<6"],
+        # the range tests/test_hf_clients.py runs: 5.0.0 (a venv of its own) and the newest 5.x
+        # here (5.24); accelerate for from_pretrained(device_map=...)
+        "hf": ["transformers>=5.0,<5.25", "accelerate>=1.0"],
+        # lm-evaluation-harness on exported folders (tested with 0.4.13)
+        "eval": ["lm_eval>=0.4.13,<0.5"],
+        # preprocessing extras: the tiktoken encoder (--tokenizer-backend tiktoken) and NeoX's --ftfy
+        "preprocess": ["tiktoken>=0.7", "ftfy>=6"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval==0.4.13",
+                 "tiktoken>=0.7", "ftfy>=6"],
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },

@@ -1,22 +1,37 @@
-"""Preprocessing throughput and memory, and GPT index build time.
+"""Preprocessing throughput and memory, side by side with Megatron-LM's own tool, and the GPT
+index build time.
 
-    python benchmarks/preprocess.py            # ~2 minutes on 2 cores; needs ../shared/data or tests/data
+    python benchmarks/preprocess.py --help
+    python benchmarks/preprocess.py                     # the default table, ~4 minutes on 2 cores
+    python benchmarks/preprocess.py --sizes fineweb:30 --megatron ../shared/bench/megatron-lm --no-index
 
-1. Inputs, jsonl of real text from the offline data:
+1. Inputs, jsonl of real text from the offline data (--sizes KIND:MB ...):
    - fineweb: the 150 FineWeb-Edu documents, each repetition with its sentences shuffled (so no
-     document repeats byte for byte), to 50 MB and 200 MB: the corpus this stack is for;
+     document repeats byte for byte): the corpus this stack is for;
    - mixed: Tiny Shakespeare, WikiText-2, Pride and Prejudice and FineWeb-Edu in paragraph groups,
-     to 50 MB, for reference (verse and wiki markup tokenize more slowly per token).
-   Preprocessed with the GPT-2 tokenizer, --append-eod, --workers 2, each run in a fresh process
-   reporting its own peak RSS. The tokenizer alone (encode_batch_fast, 2 threads, the same
-   texts, no I/O) is measured on each corpus: the ratio is the pipeline's overhead.
-2. A synthetic 100M-token indexed dataset; time to build (and then to reload) the GPT sample
-   index of its train split for one epoch at seq_length 4096.
+     for reference (verse and wiki markup tokenize more slowly per token).
+   Each input is preprocessed with the tokenizer (--tokenizer, default GPT-2), --append-eod,
+   --workers N, once per encoder (--backends: tokenizers, and tiktoken when installed), each run
+   in a fresh process: its wall time (start-up included, what a user waits for), the tool's own
+   time, its peak RSS, and whether its .bin/.idx equal the tokenizers run's byte for byte. The
+   tokenizer alone (encode_batch_fast, N threads, the same texts, no I/O) is measured on each
+   kind of corpus: the ratio is the pipeline's overhead.
+2. --megatron PATH: Megatron-LM's tools/preprocess_data.py from that checkout (PATH first on
+   PYTHONPATH; ../shared/bench/megatron-lm is Megatron's own tool made to run offline) on the
+   same input with the same tokenizer.json (HuggingFaceTokenizer), --append-eod and --workers;
+   its output must equal ours byte for byte. Our runs then take --keep-empty, since Megatron
+   writes the empty and whitespace-only documents that this tool skips by default (the mixed
+   corpus has a few blank 40-line groups).
+3. A synthetic 100M-token indexed dataset; time to build (and then to reload) the GPT sample
+   index of its train split for one epoch at seq_length 4096 (--no-index skips it).
 """
 from __future__ import annotations
 
+import argparse
+import filecmp
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 DATA = SHARED if SHARED.is_dir() else ROOT / "tests" / "data"
 TOKENIZER = DATA / "gpt2-tokenizer.json"
+DEFAULT_SIZES = ["fineweb:50", "fineweb:200", "mixed:50"]
 
 
 def fineweb_documents(rng) -> list[str]:
@@ -73,12 +89,22 @@ sys.path.insert(0, {root!r})
 from data_tools.preprocess import build_parser, run
 args = build_parser().parse_args({argv!r})
 t = time.time(); stats = run(args); t = time.time() - t
-print(stats.tokens, t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(stats.tokens, stats.written, t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, repr(stats.backend))
+"""
+
+# Megatron's tool run in this process (runpy), so that the peak RSS of it and its worker
+# processes can be read at the end
+MEGATRON_RUN = """
+import resource, runpy, sys
+sys.argv = [{tool!r}, *{argv!r}]
+runpy.run_path({tool!r}, run_name="__main__")
+print("PEAK", max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024)
 """
 
 TOKENIZER_ONLY = """
 import json, os, sys, time
-os.environ["RAYON_NUM_THREADS"] = "2"
+os.environ["RAYON_NUM_THREADS"] = "{workers}"
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file({tok!r})
 texts = [json.loads(l)["text"] for l in open({path!r}, encoding="utf-8")]
@@ -96,13 +122,52 @@ print(n, time.time() - t)
 """
 
 
-def measure_preprocess(corpus: Path, out: Path, workers: int):
-    argv = ["--input", str(corpus), "--tokenizer", str(TOKENIZER), "--output-prefix", str(out),
-            "--append-eod", "--workers", str(workers), "--no-progress"]
+def measure_preprocess(corpus: Path, out: Path, tokenizer: Path, workers: int, backend: str,
+                       keep_empty: bool) -> dict:
+    argv = ["--input", str(corpus), "--tokenizer", str(tokenizer), "--output-prefix", str(out),
+            "--append-eod", "--workers", str(workers), "--no-progress", "--tokenizer-backend", backend,
+            *(["--keep-empty"] if keep_empty else [])]
+    t = time.time()
     res = subprocess.run([sys.executable, "-c", RUN.format(root=str(ROOT), argv=argv)],
-                         capture_output=True, text=True, check=True)
-    tokens, seconds, rss = res.stdout.split()
-    return int(tokens), float(seconds), int(rss)
+                         capture_output=True, text=True)
+    wall = time.time() - t
+    if res.returncode != 0:
+        raise SystemExit(f"preprocess ({backend}) failed:\n{res.stderr[-3000:]}")
+    tokens, docs, seconds, rss, used = res.stdout.split(maxsplit=4)
+    return {"tokens": int(tokens), "documents": int(docs), "tool_s": float(seconds), "wall_s": wall,
+            "rss": int(rss), "encoder": eval(used), "prefix": Path(f"{out}_text_document")}
+
+
+def measure_megatron(checkout: Path, corpus: Path, out: Path, tokenizer: Path, workers: int) -> dict:
+    tool = checkout / "tools" / "preprocess_data.py"
+    if not tool.is_file():
+        raise SystemExit(f"--megatron {checkout}: no tools/preprocess_data.py there (give a Megatron-LM checkout, "
+                         f"e.g. ../shared/bench/megatron-lm)")
+    folder = out.parent / "megatron-tokenizer"   # HuggingFaceTokenizer takes a folder
+    folder.mkdir(exist_ok=True)
+    shutil.copy(tokenizer, folder / "tokenizer.json")
+    from megatron_id.data.tokenizer import eod_id, load_tokenizer
+    tok = load_tokenizer(str(tokenizer))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": tok.id_to_token(eod_id(tok))}))
+    argv = ["--input", str(corpus), "--output-prefix", str(out), "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(folder), "--append-eod", "--workers", str(workers)]
+    env = {**os.environ, "PYTHONPATH": str(checkout), "HF_HUB_OFFLINE": "1"}
+    t = time.time()
+    res = subprocess.run([sys.executable, "-c", MEGATRON_RUN.format(tool=str(tool), argv=argv)], env=env,
+                         capture_output=True, text=True)
+    wall = time.time() - t
+    if res.returncode != 0:
+        raise SystemExit(f"Megatron's tool failed:\n{res.stderr[-3000:]}")
+    rss = int(res.stdout.split("PEAK")[-1])
+    prefix = Path(f"{out}_text_document")
+    from megatron_id.data.indexed_dataset import IndexedDataset
+    ds = IndexedDataset(prefix)
+    return {"tokens": ds.num_tokens, "documents": len(ds.document_index) - 1, "tool_s": None, "wall_s": wall,
+            "rss": rss, "encoder": "Megatron-LM tools/preprocess_data.py", "prefix": prefix}
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    return all(filecmp.cmp(f"{a}{ext}", f"{b}{ext}", shallow=False) for ext in (".bin", ".idx"))
 
 
 def index_build(tmp: Path):
@@ -125,49 +190,128 @@ def index_build(tmp: Path):
     return ds.num_tokens, n, build, time.time() - t
 
 
-def tokenizer_alone(path: Path) -> float:
+def tokenizer_alone(path: Path, tokenizer: Path, workers: int) -> float:
     from data_tools.preprocess import BATCH_CHARS
-    code = TOKENIZER_ONLY.format(tok=str(TOKENIZER), path=str(path), batch_chars=BATCH_CHARS)
-    res = subprocess.run([sys.executable, "-c", code],
-                         capture_output=True, text=True, check=True)
+    code = TOKENIZER_ONLY.format(tok=str(tokenizer), path=str(path), batch_chars=BATCH_CHARS, workers=workers)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     tokens, seconds = res.stdout.split()
     return int(tokens) / float(seconds)
 
 
-def main() -> int:
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Preprocessing throughput, memory and byte-identity (see the "
+                                "module docstring for what each row measures).", allow_abbrev=False)
+    p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, metavar="KIND:MB",
+                   help=f"corpora to build: fineweb or mixed, and megabytes (default: {' '.join(DEFAULT_SIZES)})")
+    p.add_argument("--tokenizer", type=Path, default=TOKENIZER, help="tokenizer.json (default: GPT-2)")
+    p.add_argument("--workers", type=int, default=2, help="--workers of every run (default 2)")
+    p.add_argument("--backends", nargs="+", choices=["tokenizers", "tiktoken"], default=None,
+                   help="encoders to run (default: tokenizers, and tiktoken when installed)")
+    p.add_argument("--megatron", type=Path, default=None,
+                   help="a Megatron-LM checkout: run its tools/preprocess_data.py side by side")
+    p.add_argument("--no-index", action="store_true", help="skip the GPT index build")
+    args = p.parse_args(argv)
+    sizes = []
+    for item in args.sizes:
+        kind, _, mb = item.partition(":")
+        if kind not in ("fineweb", "mixed") or not mb.isdigit() or int(mb) < 1:
+            p.error(f"--sizes {item}: give KIND:MB with KIND fineweb or mixed and MB a whole number, e.g. fineweb:50")
+        sizes.append((kind, int(mb)))
+    args.sizes = sizes
+    if not args.tokenizer.is_file():
+        p.error(f"--tokenizer {args.tokenizer}: not found")
+    if args.workers < 1:
+        p.error(f"--workers {args.workers}: must be at least 1")
+    if args.backends is None:
+        try:
+            import tiktoken  # noqa: F401
+            args.backends = ["tokenizers", "tiktoken"]
+        except ImportError:
+            args.backends = ["tokenizers"]
+    if "tokenizers" not in args.backends:
+        args.backends = ["tokenizers", *args.backends]   # the reference every row is compared with
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         rows, alone = [], {}
-        for kind, mb in (("fineweb", 50), ("fineweb", 200), ("mixed", 50)):
+        for kind, mb in args.sizes:
             corpus = tmp / f"{kind}{mb}.jsonl"
-            docs = write_corpus(corpus, mb, kind)
-            tokens, seconds, rss = measure_preprocess(corpus, tmp / f"out_{kind}{mb}", workers=2)
-            rows.append((kind, mb, docs, tokens, seconds, rss))
-            print(f"  {kind} {mb} MB: {tokens:,} tokens in {seconds:.1f} s", file=sys.stderr)
+            write_corpus(corpus, mb, kind)
+            reference = None
+            runs = [(backend, None) for backend in args.backends] + ([("megatron", args.megatron)] if args.megatron else [])
+            for backend, checkout in runs:
+                out = tmp / f"out_{kind}{mb}_{backend}"
+                r = measure_megatron(checkout, corpus, out, args.tokenizer, args.workers) if checkout else \
+                    measure_preprocess(corpus, out, args.tokenizer, args.workers, backend, bool(args.megatron))
+                reference = reference or r
+                r.update(kind=kind, mb=mb, requested=backend, identical=same_bytes(r["prefix"], reference["prefix"]),
+                         speedup=reference["wall_s"] / r["wall_s"])
+                rows.append(r)
+                print(f"  {kind} {mb} MB, {r['encoder']}: {r['tokens']:,} tokens in {r['wall_s']:.1f} s", file=sys.stderr)
+                if backend != "tokenizers":
+                    shutil.rmtree(out.parent / "megatron-tokenizer", ignore_errors=True)
+                    for ext in (".bin", ".idx", ".meta.json"):
+                        Path(f"{r['prefix']}{ext}").unlink(missing_ok=True)
             if kind not in alone:
                 sample = tmp / f"{kind}_20.jsonl"
-                write_corpus(sample, 20, kind)
-                alone[kind] = tokenizer_alone(sample)
-        total, samples, build, reload = index_build(tmp)
+                write_corpus(sample, min(20, mb), kind)
+                alone[kind] = tokenizer_alone(sample, args.tokenizer, args.workers)
+        index = None if args.no_index else index_build(tmp)
 
-    print(f"# preprocessing benchmark ({os.cpu_count()} CPUs), GPT-2 tokenizer, --workers 2, --append-eod\n")
-    print("| corpus | input | documents | tokens | time | tokens/s | tokenizer alone | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|")
-    for kind, mb, docs, tokens, seconds, rss in rows:
-        print(f"| {kind} | {mb} MB | {docs:,} | {tokens:,} | {seconds:.1f} s | "
-              f"{tokens / seconds / 1e6:.2f} M | {alone[kind] / 1e6:.2f} M | {rss / 2**20:.0f} MiB |")
-    print(f"\nGPT index of a {total / 1e6:.0f}M-token dataset (train split, {samples:,} samples of 4096): "
-          f"built in {build:.2f} s, reloaded from cache in {reload:.3f} s")
-    rate = rows[0][3] / rows[0][4]
-    growth = rows[1][5] / rows[0][5]
-    mixed_ratio = (rows[2][3] / rows[2][4]) / alone["mixed"]
-    fineweb_ratio = rate / alone["fineweb"]
-    print(f"\npipeline speed / tokenizer alone: {100 * fineweb_ratio:.0f}% on fineweb, "
-          f"{100 * mixed_ratio:.0f}% on mixed (short documents cost more per token outside the tokenizer)")
-    checks = [(f"throughput on 50 MB of FineWeb-Edu text: {rate / 1e6:.2f} M tokens/s >= 0.8 M", rate >= 0.8e6),
-              (f"peak RSS 200 MB vs 50 MB input: {growth:.2f}x (flat: < 1.3x)", growth < 1.3),
-              (f"100M-token index build: {build:.2f} s (seconds, not minutes: < 30 s)", build < 30)]
-    print("\n## acceptance checks (issue 4)\n")
+    print(f"# preprocessing benchmark ({os.cpu_count()} CPUs), {args.tokenizer.name}, --workers {args.workers}, "
+          f"--append-eod{' --keep-empty (as Megatron writes empty documents)' if args.megatron else ''}\n")
+    print("time: the whole process (start-up included); tool: inside the tool (reading, tokenizing, writing);"
+          " identical: .bin and .idx equal the tokenizers run's byte for byte\n")
+    print("| corpus | input | documents | tokens | encoder | time | tool | tokens/s | vs tokenizers | "
+          "identical | tokenizer alone | peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        tool = "-" if r["tool_s"] is None else f"{r['tool_s']:.1f} s"
+        encoder = r["encoder"].split(" (")[0]
+        print(f"| {r['kind']} | {r['mb']} MB | {r['documents']:,} | {r['tokens']:,} | {encoder} | {r['wall_s']:.1f} s | "
+              f"{tool} | {r['tokens'] / r['wall_s'] / 1e6:.2f} M | {r['speedup']:.2f}x | "
+              f"{'yes' if r['identical'] else 'NO'} | {alone[r['kind']] / 1e6:.2f} M | {r['rss'] / 2**20:.0f} MiB |")
+    if index:
+        total, samples, build, reload = index
+        print(f"\nGPT index of a {total / 1e6:.0f}M-token dataset (train split, {samples:,} samples of 4096): "
+              f"built in {build:.2f} s, reloaded from cache in {reload:.3f} s")
+
+    checks = []
+    plain = [r for r in rows if r["encoder"] == "tokenizers"]
+    fine = [r for r in plain if r["kind"] == "fineweb"]
+    if fine:
+        rate = fine[0]["tokens"] / fine[0]["tool_s"]
+        checks.append((f"throughput on {fine[0]['mb']} MB of FineWeb-Edu text: {rate / 1e6:.2f} M tokens/s >= 0.8 M "
+                       f"(issue 4)", rate >= 0.8e6))
+    if len(fine) > 1 and fine[-1]["mb"] >= 2 * fine[0]["mb"]:
+        growth = fine[-1]["rss"] / fine[0]["rss"]
+        checks.append((f"peak RSS {fine[-1]['mb']} MB vs {fine[0]['mb']} MB input: {growth:.2f}x (flat: < 1.3x, "
+                       f"issue 4)", growth < 1.3))
+    if index:
+        checks.append((f"100M-token index build: {index[2]:.2f} s (seconds, not minutes: < 30 s, issue 4)",
+                       index[2] < 30))
+    for r in rows:
+        if r["requested"] == "tiktoken":
+            if not r["encoder"].startswith("tiktoken"):
+                checks.append((f"{r['kind']} {r['mb']} MB: the tiktoken backend fell back to tokenizers (the run's "
+                               f"notes say why)", False))
+            elif r["kind"] == "fineweb":
+                checks.append((f"tiktoken on {r['mb']} MB of FineWeb-Edu text: {r['speedup']:.2f}x as fast as the "
+                               f"tokenizers run, byte-identical: {r['identical']} (>= 2x, issue 13)",
+                               r["speedup"] >= 2 and r["identical"]))
+        elif r["requested"] == "megatron":
+            ours = [x for x in rows if (x["kind"], x["mb"]) == (r["kind"], r["mb"]) and x["requested"] != "megatron"]
+            fastest = min(ours, key=lambda x: x["wall_s"])
+            for x in {id(ours[0]): ours[0], id(fastest): fastest}.values():   # tokenizers, and the fastest
+                ratio = r["wall_s"] / x["wall_s"]
+                checks.append((f"{r['kind']} {r['mb']} MB: this tool ({x['encoder'].split(' (')[0]}) {ratio:.2f}x as "
+                               f"fast as Megatron-LM's tool, outputs byte-identical: {r['identical']} (>= 1x)",
+                               ratio >= 1 and r["identical"]))
+    print("\n## acceptance checks\n")
     for text, ok in checks:
         print(f"- {'PASS' if ok else 'FAIL'}: {text}")
     return 0 if all(ok for _, ok in checks) else 1

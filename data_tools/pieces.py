@@ -33,10 +33,14 @@ MAX_FAILED_CHECKS = 16     # per document: after so many rejected cuts, the rest
 class PieceCutter:
     """Cuts long texts into pieces whose concatenated ids equal those of the whole text."""
 
-    def __init__(self, tokenizer, piece_chars: int = PIECE_CHARS):
+    def __init__(self, encoder, piece_chars: int = PIECE_CHARS):
+        """encoder: anything with encode_many(texts) -> ids (data_tools/encoders.py), or a
+        `tokenizers` Tokenizer."""
         if piece_chars < 2:
             raise ValueError(f"piece_chars must be at least 2, not {piece_chars}")
-        self.tokenizer, self.piece_chars = tokenizer, piece_chars
+        from .encoders import TokenizersEncoder
+        self.encoder = encoder if hasattr(encoder, "encode_many") else TokenizersEncoder(encoder)
+        self.piece_chars = piece_chars
         self.cut_documents = 0       # documents tokenised in more than one piece
         self.uncut_documents = 0     # long documents (or their tails) that had to stay whole
 
@@ -59,9 +63,8 @@ class PieceCutter:
     def _verified(self, text: str, start: int, cut: int) -> bool:
         left = text[max(start, cut - CHECK_CHARS):cut]
         right = text[cut:cut + CHECK_CHARS]
-        joined, a, b = self.tokenizer.encode_batch_fast([left + right, left, right],
-                                                        add_special_tokens=False)
-        return joined.ids == a.ids + b.ids
+        joined, a, b = self.encoder.encode_many([left + right, left, right])
+        return joined == a + b
 
     def split(self, text: str) -> list[str]:
         """`text` itself when it is short, else its pieces (their concatenation is `text`)."""

@@ -4,9 +4,18 @@
         --output-prefix data/fineweb --append-eod --workers 8 --min-int-score 3
     (also: megatron-id preprocess ...)
 
-Flags follow Megatron-LM's tools/preprocess_data.py (--input, --json-keys, --tokenizer-model,
---vocab-file/--merge-file, --append-eod, --output-prefix, --workers, --partitions; GPT-NeoX's
---jsonl-keys is accepted too). FineWeb-Edu filters apply to rows that have the field.
+Megatron-LM's and GPT-NeoX's command lines run unchanged: every flag of their preprocess
+scripts is either implemented (--input, --json-keys/--jsonl-keys, --tokenizer-type,
+--tokenizer-model, --vocab-file/--vocab/--merge-file, --vocab-size, --append-eod,
+--output-prefix, --workers, --partitions, --log-interval, --ftfy, NeoX's comma-separated
+--input), or declared in data_tools/compat.py with a note (no effect here, and why) or a
+refusal (with the reason). FineWeb-Edu filters apply to rows that have the field.
+
+Documents as Megatron writes them: a text may be a list of sentences (Megatron's split-sentence
+JSON): each non-empty sentence becomes one sequence of the document, the end-of-document token
+goes after the last. Empty and whitespace-only documents are skipped and counted by default;
+with --keep-empty they are written as Megatron writes them (an empty text: a document of no
+sequence; whitespace: its tokens), so the output is byte-identical to Megatron's.
 
 How it runs: one reader thread streams documents in batches (bounded queue, so memory stays
 flat whatever the input size) while the main thread tokenizes each batch with `tokenizers`'
@@ -44,11 +53,14 @@ from megatron_id.data.indexed_dataset import (IndexedDataset, IndexedDatasetWrit
                                               remove_stale_temps, temp_path)
 from megatron_id.errors import UserError, run_guarded
 
+from .compat import add_compat_flags, check_compat_flags
+from .encoders import (PROBE_TEXT, TOKENIZER_TYPES, NullEncoder, TiktokenEncoder, TokenizersEncoder,
+                       resolve_tokenizer, tiktoken_unavailable)
 from .outputs import check_outputs, make_folder, remove_folders, report_stale
 from .pieces import PIECE_CHARS, PieceCutter
 from .progress import Progress
 from .readers import InputError, Record, expand_inputs, iter_documents
-from megatron_id.data.tokenizer import TokenizerError, eod_id, load_tokenizer, tokenizer_file
+from megatron_id.data.tokenizer import TokenizerError
 
 BATCH_CHARS = 4_000_000   # characters per tokenizer call (and per reader batch); ~1M tokens
 
@@ -61,23 +73,46 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data_tools.preprocess", description=__doc__.splitlines()[0],
                                 allow_abbrev=False)   # Megatron's --lang must not become --language
     io_ = p.add_argument_group("input / output")
-    io_.add_argument("--input", nargs="+", required=True, help="files, globs or HF dataset folders")
+    io_.add_argument("--input", nargs="+", required=True,
+                     help="files, globs or HF dataset folders (NeoX's comma-separated list works too)")
     io_.add_argument("--json-keys", "--jsonl-keys", nargs="+", default=["text"], dest="json_keys",
-                     help="fields to tokenize; one dataset per key (default: text)")
+                     help="fields to tokenize; one dataset per key (default: text). A field may hold a "
+                          "string or a list of sentences")
     io_.add_argument("--output-prefix", required=True)
     io_.add_argument("--overwrite", action="store_true",
                      help="replace existing outputs (only once the new ones are complete; without "
                           "this flag an existing .bin/.idx stops the run before any work)")
-    io_.add_argument("--partitions", type=int, default=1, help="split inputs into K parts, then merge")
+    io_.add_argument("--partitions", type=int, default=1,
+                     help="split the input files into K groups, written one by one and then merged "
+                          "(the output is the same for every K; K above the number of files says so)")
+    io_.add_argument("--keep-empty", action="store_true",
+                     help="write empty and whitespace-only documents as Megatron does (an empty text: a "
+                          "document of no sequence; whitespace: its tokens) instead of skipping and "
+                          "counting them; the output is then byte-identical to Megatron's")
     tok = p.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer",
                      help="HF tokenizer.json, or a folder holding one")
-    tok.add_argument("--tokenizer-type", default=None,
-                     help="accepted for Megatron compatibility; the files given decide the tokenizer")
-    tok.add_argument("--vocab-file", help="GPT-2 style vocab.json (with --merge-file)")
+    tok.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, metavar="TYPE",
+                     help="Megatron-LM's or GPT-NeoX's name, checked against the files given: "
+                          "HuggingFaceTokenizer / HFTokenizer (a tokenizer.json), GPT2BPETokenizer / "
+                          "HFGPT2Tokenizer (vocab.json + merges.txt), the SentencePiece types with a "
+                          "tokenizer.json, NullTokenizer (ids as text, with --vocab-size); the others are "
+                          "refused with the reason. Default: the files decide")
+    tok.add_argument("--vocab-file", "--vocab", dest="vocab_file",
+                     help="GPT-2 style vocab.json (with --merge-file), or NeoX's HFTokenizer tokenizer.json")
     tok.add_argument("--merge-file", help="GPT-2 style merges.txt")
+    tok.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary size")
+    tok.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                     help="NullTokenizer's end-of-document id (default: vocab size - 1, as Megatron)")
     tok.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     tok.add_argument("--eod-token", default=None, help="end-of-document token (default: found in the vocabulary)")
+    tok.add_argument("--tokenizer-backend", choices=["tokenizers", "tiktoken"], default="tokenizers",
+                     help="tokenizers (default, the reference) or tiktoken: the same byte-level BPE, "
+                          "several times faster, used only after it gave the reference's ids on a probe "
+                          "text and on the first batch of the corpus (else this run falls back to "
+                          "tokenizers and says why)")
+    tok.add_argument("--ftfy", action="store_true", help="repair mojibake with ftfy.fix_text before "
+                     "tokenizing (NeoX's flag; pip install ftfy)")
     filt = p.add_argument_group(
         "FineWeb-Edu filters",
         "They apply to rows that have the field. Documents they remove are intended: they are "
@@ -89,11 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     filt.add_argument("--min-language-score", type=float, default=None)
     run = p.add_argument_group("run")
     run.add_argument("--workers", type=int, default=1, help="tokenizer threads")
+    run.add_argument("--log-interval", type=int, default=None,
+                     help="a progress line every N documents (checked once per batch of ~4M characters); "
+                          "default: every 10 s in logs, live on a terminal")
     run.add_argument("--strict", action="store_true",
                      help="fail at the first bad document (malformed, not UTF-8, missing or "
                           "non-string key, empty), naming file and line, instead of skipping and "
                           "counting it; filtered documents are not bad")
     run.add_argument("--no-progress", action="store_true")
+    add_compat_flags(p)
     return p
 
 
@@ -111,6 +150,9 @@ class Stats:
         self.filter_max: dict[str, float] = {}   # the highest number that got rows filtered
         self.outputs, self.seconds, self.stale_removed = [], 0.0, []
         self.cut_documents = self.uncut_documents = 0
+        self.empty_kept = 0       # --keep-empty: documents written with no sequence
+        self.notes: list[str] = []   # flags with no effect, the backend's choice
+        self.backend = "tokenizers"
 
     def skip(self, reason):
         self.skipped[reason] += 1
@@ -148,10 +190,32 @@ def _filter_reason(row: dict, args, stats: Stats) -> str | None:
     return None
 
 
+def _text_problem(value, key: str) -> str | None:
+    """Why a field cannot be tokenized (None: a string, or a list of strings = sentences)."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(v, str) for v in texts):
+        return f"key '{key}' is not a string or a list of strings"
+    for text in texts:   # JSON may escape half of a surrogate pair ("\ud800"): not Unicode text
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"key '{key}' holds a lone surrogate (an escape like \\ud800: not valid Unicode)"
+    return None
+
+
+def _blank(value) -> bool:
+    return not value.strip() if isinstance(value, str) else all(not v.strip() for v in value)
+
+
 def _batches(records, keys, args, stats, out: queue.Queue, stop: threading.Event):
     """Reader thread: validated texts grouped into batches of ~BATCH_CHARS characters, each
-    entry (texts, (source, line))."""
+    entry (texts, (source, line)); a text is a string or a list of sentences."""
     try:
+        fix = None
+        if args.ftfy:
+            import ftfy
+            fix = ftfy.fix_text
         batch, size = [], 0
         for item in records:
             if stop.is_set():
@@ -163,14 +227,14 @@ def _batches(records, keys, args, stats, out: queue.Queue, stop: threading.Event
                 reason = item.reason
             else:
                 missing = [k for k in keys if k not in item.data]
-                bad_type = [k for k in keys if k in item.data and not isinstance(item.data[k], str)]
+                bad_type = [why for k in keys if k in item.data for why in [_text_problem(item.data[k], k)] if why]
                 if missing:
                     reason = f"missing key '{missing[0]}'"
                     if stats.skipped[reason] < 1000:   # enough rows to say which keys they have
                         stats.keys_seen.update(item.data.keys())
                 elif bad_type:
-                    reason = f"key '{bad_type[0]}' is not a string"
-                elif all(not item.data[k].strip() for k in keys):
+                    reason = bad_type[0]
+                elif not args.keep_empty and all(_blank(item.data[k]) for k in keys):
                     reason = "empty document"
                 else:
                     reason = _filter_reason(item.data, args, stats)
@@ -181,8 +245,10 @@ def _batches(records, keys, args, stats, out: queue.Queue, stop: threading.Event
                 stats.skip(reason)
                 continue
             texts = [item.data[k] for k in keys]
+            if fix is not None:
+                texts = [fix(t) if isinstance(t, str) else [fix(x) for x in t] for t in texts]
             batch.append((texts, where))
-            size += sum(len(t) for t in texts)
+            size += sum(len(t) if isinstance(t, str) else sum(map(len, t)) for t in texts)
             if size >= BATCH_CHARS:
                 out.put(batch)
                 batch, size = [], 0
@@ -208,38 +274,67 @@ def _groups(spans, limit):
         yield group
 
 
-def _encode(tokenizer, cutter: PieceCutter, texts, eod):
-    """One flat id array and the per-document lengths. Long documents are cut into pieces (the
-    ids are those of the whole document, see pieces.py), at most BATCH_CHARS characters go to
-    one encode call, and each call's ids become a numpy array at once (as Python lists they
-    cost ~40 bytes a token). encode_batch_fast skips the character offsets we do not need and
-    releases the GIL while its threads work."""
+class Encoded:
+    """One batch of documents of one key: `flat` ids, the length of each sequence, and how
+    many sequences each document has (0: empty, as Megatron writes an empty text)."""
+
+    def __init__(self, flat: np.ndarray, lengths: np.ndarray, per_document: np.ndarray):
+        self.flat, self.lengths, self.per_document = flat, lengths, per_document
+
+    def keep(self, documents: np.ndarray) -> "Encoded":
+        """Only the documents where `documents` (bool) is True."""
+        sequences = np.repeat(documents, self.per_document)
+        return Encoded(self.flat[np.repeat(sequences, self.lengths)], self.lengths[sequences],
+                       self.per_document[documents])
+
+
+def _encode(encoder, cutter: PieceCutter, docs, eod) -> Encoded:
+    """Megatron's Encoder.encode for a batch: each document is a text or a list of sentences;
+    every sentence with ids becomes a sequence, and the end-of-document id goes after the last
+    one (a document without ids gets none). Long sentences are cut into pieces (the ids are
+    those of the whole text, see pieces.py), at most BATCH_CHARS characters go to one encode
+    call, and each call's ids become a numpy array at once (as Python lists they cost ~40
+    bytes a token)."""
+    sentences, owner = [], []
+    for d, doc in enumerate(docs):
+        for text in ([doc] if isinstance(doc, str) else doc):
+            sentences.append(text)
+            owner.append(d)
     spans = []
-    for d, text in enumerate(texts):
+    for i, text in enumerate(sentences):
         bounds = cutter.bounds(text)
-        spans.extend((d, a, b) for a, b in zip(bounds, bounds[1:]))
+        spans.extend((i, a, b) for a, b in zip(bounds, bounds[1:]))
     flats = []
-    lengths = np.zeros(len(texts), dtype=np.int64)
+    lengths = np.zeros(len(sentences), dtype=np.int64)
     for group in _groups(spans, BATCH_CHARS):
-        pieces = [texts[d] if b - a == len(texts[d]) else texts[d][a:b] for d, a, b in group]
-        ids = [e.ids for e in tokenizer.encode_batch_fast(pieces, add_special_tokens=False)]
+        pieces = [sentences[i] if b - a == len(sentences[i]) else sentences[i][a:b] for i, a, b in group]
+        arrays = getattr(encoder, "encode_arrays", None)
+        ids = arrays(pieces) if arrays else encoder.encode_many(pieces)
         del pieces
         counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        np.add.at(lengths, [d for d, _, _ in group], counts)
+        np.add.at(lengths, [i for i, _, _ in group], counts)
         # int32 holds any id (vocabularies are far below 2**31) at half the memory of int64
-        flats.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
-                                 count=int(counts.sum())))
+        if arrays:
+            flats.append(np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, dtype=np.int32))
+        else:
+            flats.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
+                                     count=int(counts.sum())))
         del ids
     flat = flats[0] if len(flats) == 1 else np.concatenate(flats or [np.zeros(0, dtype=np.int32)])
-    if eod is not None:
-        flat = np.insert(flat, np.cumsum(lengths), eod)
-        lengths += 1
-    return flat, lengths
+    real = lengths > 0
+    per_document = np.bincount(np.asarray(owner, dtype=np.int64)[real], minlength=len(docs))
+    lengths = lengths[real]
+    if eod is not None and len(lengths):
+        last = np.cumsum(per_document)[per_document > 0] - 1   # each document's last sequence
+        flat = np.insert(flat, np.cumsum(lengths)[last], eod)
+        lengths[last] += 1
+    return Encoded(flat, lengths, per_document)
 
 
-def _write_part(files, writers, tokenizer, cutter, eod, args, stats, progress):
+def _write_part(files, writers, encoder, cutter, eod, args, stats, progress):
     """Tokenize `files` into `writers` (one per --json-keys key). The caller finalizes or
-    aborts the writers."""
+    aborts the writers. The datasets of several keys stay aligned: a row whose text of one key
+    has no ids is skipped in all of them (or, with --keep-empty, written empty in that one)."""
     keys = args.json_keys
     counters = []
     pending: queue.Queue = queue.Queue(maxsize=4)   # bounded: memory does not grow with input
@@ -254,22 +349,27 @@ def _write_part(files, writers, tokenizer, cutter, eod, args, stats, progress):
                 break
             if isinstance(batch, BaseException):
                 raise batch
-            for k, writer in enumerate(writers):
-                flat, lengths = _encode(tokenizer, cutter, [texts[k] for texts, _ in batch], eod)
-                empty = lengths == (0 if eod is None else 1)
-                if empty.any():   # text that tokenizes to nothing: skip it like an empty document
-                    if args.strict:
-                        source, line = batch[int(np.flatnonzero(empty)[0])][1]
-                        raise PreprocessError(f"{source}:{line}: key '{keys[k]}' is empty after "
-                                              f"tokenization (run without --strict to skip and "
-                                              f"count such documents)")
-                    flat, lengths = flat[np.repeat(~empty, lengths)], lengths[~empty]
-                writer.add_many(flat, lengths)
-                if k == 0:   # the summary counts documents of the first key
-                    if empty.any():
-                        stats.skipped["empty after tokenization"] += int(empty.sum())
-                    stats.written += len(lengths)
-                    stats.tokens += int(lengths.sum())
+            encoded = [_encode(encoder, cutter, [texts[k] for texts, _ in batch], eod)
+                       for k in range(len(writers))]
+            encoded = encoder.checked(encoded, batch, cutter, eod)
+            empty = np.stack([e.per_document == 0 for e in encoded]).any(axis=0)
+            if empty.any() and not args.keep_empty:   # text without ids: skip it like an empty document
+                first = int(np.flatnonzero(empty)[0])
+                if args.strict:
+                    source, line = batch[first][1]
+                    k = next(k for k, e in enumerate(encoded) if e.per_document[first] == 0)
+                    raise PreprocessError(f"{source}:{line}: key '{keys[k]}' is empty after "
+                                          f"tokenization (run without --strict to skip and "
+                                          f"count such documents)")
+                encoded = [e.keep(~empty) for e in encoded]
+                stats.skipped["empty after tokenization"] += int(empty.sum())
+            for writer, e in zip(writers, encoded):
+                writer.add_many(e.flat, e.lengths, e.per_document)
+            # the summary counts documents and tokens of the first key
+            stats.written += len(encoded[0].per_document)
+            stats.tokens += int(encoded[0].lengths.sum())
+            if args.keep_empty:
+                stats.empty_kept += int((encoded[0].per_document == 0).sum())
             progress.update(stats, sum(c.count for c in counters))
         reader.join()
     except BaseException:
@@ -281,6 +381,74 @@ def _write_part(files, writers, tokenizer, cutter, eod, args, stats, progress):
             except queue.Empty:
                 pass
         raise
+
+
+CHECK_CHARS = 1_000_000   # characters of the first batch also encoded by the reference (tiktoken)
+
+
+class Backend:
+    """The encoder in use. With --tokenizer-backend tiktoken, tiktoken must first give the
+    reference's ids on a probe text (at start), then on the corpus itself: the first ~1M
+    characters of the first batch are encoded by both (documents whole, pieces included). Any
+    difference falls back to the reference for the whole run, the first batch included."""
+
+    def __init__(self, spec, args, stats: Stats):
+        self.stats, self.unchecked = stats, False
+        if spec.kind == "null":
+            self.current = NullEncoder(spec.vocab_size)
+            self.reference = self.current
+            stats.backend = "NullTokenizer"
+            return
+        self.reference = self.current = TokenizersEncoder(spec.tokenizer)
+        if args.tokenizer_backend != "tiktoken":
+            return
+        why = tiktoken_unavailable(spec.tokenizer)
+        if why is None:
+            fast = TiktokenEncoder(spec.tokenizer, args.workers)
+            probe = [PROBE_TEXT, PROBE_TEXT[::-1], PROBE_TEXT.upper()]
+            if fast.encode_many(probe) == self.reference.encode_many(probe):
+                self.current, self.unchecked = fast, True
+            else:
+                why = "it gave other ids than tokenizers on the probe text"
+        if why is not None:
+            self._fall_back(why)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return self.current.encode_many(texts)
+
+    @property
+    def encode_arrays(self):
+        """The current encoder's array form, None when it has none (then encode_many is used)."""
+        return getattr(self.current, "encode_arrays", None)
+
+    def _fall_back(self, why: str) -> None:
+        self.current, self.unchecked = self.reference, False
+        self.stats.notes.append(f"--tokenizer-backend tiktoken not used: {why}; this run uses tokenizers "
+                                f"(the same ids, slower).")
+
+    def checked(self, encoded: list, batch, cutter, eod) -> list:
+        """The first batch's encodings (by tiktoken), compared with the reference on its first
+        CHECK_CHARS characters; returns what to write (the reference's, after a difference)."""
+        if not self.unchecked:
+            return encoded
+        self.unchecked = False
+        docs = [texts for texts, _ in batch]
+        sizes = np.cumsum([sum(len(t) if isinstance(t, str) else sum(map(len, t)) for t in texts) for texts in docs])
+        n = max(1, int(np.searchsorted(sizes, CHECK_CHARS, side="right")))
+        first = np.arange(len(docs)) < n
+        fast = self.current
+        self.current = self.reference   # what the piece cutter verifies its cuts with, meanwhile
+        for k, mine in enumerate(encoded):
+            theirs = _encode(self.reference, cutter, [texts[k] for texts in docs[:n]], eod)
+            head = mine.keep(first)
+            if not (np.array_equal(head.flat, theirs.flat) and np.array_equal(head.lengths, theirs.lengths)
+                    and np.array_equal(head.per_document, theirs.per_document)):
+                self._fall_back("it gave other ids than tokenizers on the first batch of the corpus")
+                return [_encode(self.reference, cutter, [texts[j] for texts in docs], eod) for j in range(len(encoded))]
+        self.current = fast
+        self.stats.backend = (f"tiktoken (checked against tokenizers on a probe text and the first "
+                              f"{int(sizes[n - 1]):,} characters of the corpus)")
+        return encoded
 
 
 def _quote(values: collections.Counter) -> str:
@@ -325,46 +493,87 @@ def _nothing_written(stats: Stats, files, args) -> str:
     return " ".join([text] + hints)
 
 
+def split_neox_inputs(patterns) -> list[str]:
+    """GPT-NeoX takes --input a.jsonl,b.jsonl: an item that is not a path and holds commas is
+    that list (a path with a comma in its name still works)."""
+    out = []
+    for pattern in patterns:
+        if "," in pattern and not os.path.exists(pattern):
+            out.extend(p for p in pattern.split(",") if p)
+        else:
+            out.append(pattern)
+    return out
+
+
 def run(args) -> Stats:
     if args.workers < 1:
         raise PreprocessError(f"--workers {args.workers}: must be at least 1.")
     if args.partitions < 1:
         raise PreprocessError(f"--partitions {args.partitions}: must be at least 1.")
-    tokenizer = load_tokenizer(args.tokenizer, args.vocab_file, args.merge_file)   # fails before work
-    eod = eod_id(tokenizer, args.eod_token) if args.append_eod else None
-    files = expand_inputs(args.input)
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if args.log_interval is not None and args.log_interval < 1:
+        raise PreprocessError(f"--log-interval {args.log_interval}: must be at least 1 (documents).")
+    try:
+        notes = check_compat_flags(args)
+    except ValueError as err:
+        raise PreprocessError(str(err)) from None
+    if args.ftfy:
+        try:
+            import ftfy  # noqa: F401
+        except ImportError:
+            raise PreprocessError("--ftfy needs the ftfy package: pip install ftfy.") from None
+    spec = resolve_tokenizer(args)   # fails before work
+    if args.vocab_size is not None and spec.kind != "null":
+        notes.append(f"--vocab-size {args.vocab_size} has no effect here: the vocabulary size comes from the "
+                     f"tokenizer ({spec.vocab_size:,}); only NullTokenizer takes it.")
+    if args.null_tokenizer_eod_id is not None and spec.kind != "null":
+        notes.append("--null-tokenizer-eod-id has no effect here: it belongs to --tokenizer-type NullTokenizer.")
+    eod = spec.eod(args.eod_token, args.null_tokenizer_eod_id) if args.append_eod else None
+    if eod is not None and not 0 <= eod < spec.vocab_size:
+        raise PreprocessError(f"--null-tokenizer-eod-id {eod}: must be below --vocab-size {spec.vocab_size}.")
+    files = expand_inputs(split_neox_inputs(args.input))
+    vocab_size = spec.vocab_size
     dtype = best_dtype(vocab_size)
     finals = [output_prefix(args.output_prefix, k) for k in args.json_keys]
     check_outputs([Path(f"{p}{ext}") for p in finals for ext in (".bin", ".idx")], "--output-prefix",
                   args.output_prefix, args.overwrite)
+    parts = max(1, min(args.partitions, len(files)))
+    if args.partitions > parts:
+        notes.append(f"--partitions {args.partitions}: {len(files)} input file{'s' if len(files) > 1 else ''}, so "
+                     f"{parts} partition{'s' if parts > 1 else ''} (partitions group input files; the output is "
+                     f"the same for any number; --workers sets the parallelism).")
 
     # the tokenizer's thread pool reads this once, at its first parallel call
     os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    created = make_folder(Path(finals[0]).parent)
     stats, start = Stats(), time.time()
+    stats.notes = notes
+    for note in notes:   # said before the work, so that a long run does not hide them
+        print(f"preprocess: note: {note}", file=sys.stderr)
+    backend = Backend(spec, args, stats)
+    created = make_folder(Path(finals[0]).parent)
     stats.stale_removed = remove_stale_temps(
         [f for p in finals for f in (Path(f"{p}.bin"), Path(f"{p}.idx"), Path(f"{p}.meta.json"),
                                      Path(f"{p}.parts"))])
     report_stale("preprocess", stats.stale_removed)
     total_bytes = sum(p.stat().st_size for p in files if p.is_file())
-    progress = Progress(total_bytes, enabled=not args.no_progress)
-    cutter = PieceCutter(tokenizer, PIECE_CHARS)
-    recorded = tokenizer_file(args.tokenizer)
+    progress = Progress(total_bytes, enabled=not args.no_progress, log_interval=args.log_interval)
+    cutter = PieceCutter(backend, PIECE_CHARS)
+    recorded = spec.file
     writers = []
     try:
         for p in finals:   # one by one: a failure aborts those already opened
             writers.append(IndexedDatasetWriter(p, dtype, vocab_size=vocab_size, eod_id=eod,
                                                 tokenizer=None if recorded is None else str(recorded)))
-        parts = max(1, min(args.partitions, len(files)))
         if parts == 1:
-            _write_part(files, writers, tokenizer, cutter, eod, args, stats, progress)
+            _write_part(files, writers, backend, cutter, eod, args, stats, progress)
         else:
-            _write_partitions(files, parts, writers, tokenizer, cutter, eod, dtype, args, stats,
+            _write_partitions(files, parts, writers, backend, cutter, eod, dtype, args, stats,
                               progress, temp_path(f"{finals[0]}.parts"))
         if stats.written == 0:
             raise PreprocessError(_nothing_written(stats, files, args))
+        if stats.written == stats.empty_kept:
+            raise PreprocessError(f"no token was written: all {stats.written:,} documents kept by --keep-empty "
+                                  f"are empty. Check --input and --json-keys: the output would be an empty dataset.")
         for w in writers:   # every output complete under its temporary name ...
             w.prepare()
         for w in writers:   # ... before any old one is replaced
@@ -381,7 +590,7 @@ def run(args) -> Stats:
     return stats
 
 
-def _write_partitions(files, parts, writers, tokenizer, cutter, eod, dtype, args, stats, progress,
+def _write_partitions(files, parts, writers, encoder, cutter, eod, dtype, args, stats, progress,
                       folder: Path):
     """--partitions: the files split round-robin into `parts` groups, each written to its own
     dataset in a private temporary folder, then appended to the outputs in order. The folder
@@ -394,7 +603,7 @@ def _write_partitions(files, parts, writers, tokenizer, cutter, eod, dtype, args
             part_writers = [IndexedDatasetWriter(folder / f"part{i}_key{k}", dtype)
                             for k in range(len(writers))]
             try:
-                _write_part(group, part_writers, tokenizer, cutter, eod, args, stats, progress)
+                _write_part(group, part_writers, encoder, cutter, eod, args, stats, progress)
             except BaseException:
                 for w in part_writers:
                     w.abort()
@@ -412,6 +621,10 @@ def summary(stats: Stats) -> str:
     lines = [f"documents read: {stats.read:,}", f"documents written: {stats.written:,}",
              f"tokens written: {stats.tokens:,}",
              f"time: {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s)"]
+    if stats.empty_kept:
+        lines.append(f"empty documents written (--keep-empty, as Megatron writes them): {stats.empty_kept:,}")
+    if stats.backend != "tokenizers":
+        lines.append(f"encoder: {stats.backend}")
     skipped = sum(stats.skipped.values())
     lines.append(f"documents skipped: {skipped:,}" + ("" if not skipped else ": " + ", ".join(
         f"{n:,} {reason}" for reason, n in stats.skipped.most_common())))
@@ -420,6 +633,7 @@ def summary(stats: Stats) -> str:
                      f"{stats.cut_documents:,}" + (f" ({stats.uncut_documents:,} kept a part above that "
                                                    f"size: no safe cut found)" if stats.uncut_documents else ""))
     lines += [f"output: {p}.bin, {p}.idx, {p}.meta.json" for p in stats.outputs]
+    lines += [f"note: {n}" for n in stats.notes]   # again at the end, where a user looks
     return "\n".join(lines)
 
 

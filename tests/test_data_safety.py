@@ -124,11 +124,6 @@ def case_corrupt_parquet(t, i, g):
         r"corrupt\.parquet is not a readable parquet file"
 
 
-def case_megatron_lang_flag(t, i, g):   # not silently read as --language
-    return preprocess(i / "lang.jsonl", t / "data/out", "--overwrite", "--lang", "english"), \
-        r"unrecognized arguments: --lang english"
-
-
 def case_language_filter_keeps_nothing(t, i, g):
     return preprocess(i / "lang.jsonl", t / "data/out", "--overwrite", "--language", "english"), \
         r"20 filtered: language != english.*Every row's language is 'en'"
@@ -268,7 +263,8 @@ def test_sidecar_records_what_was_written(tmp_path, good_pair):
     ids = np.asarray(ds._bin)
     assert meta == {"format": "megatron_id.dataset_meta/1", "dtype": "uint16", "vocab_size": 50257,
                     "max_token_id": int(ids.max()), "min_token_id": int(ids.min()),
-                    "num_sequences": 150, "num_tokens": len(ids), "tokenizer": str(GPT2.resolve()),
+                    "num_sequences": 150, "num_documents": 150, "num_tokens": len(ids),
+                    "tokenizer": str(GPT2.resolve()),
                     "eod_id": 50256}
     # merge: the id range over its inputs, which need no sidecar of their own
     other = tmp_path / "other"

@@ -12,7 +12,9 @@ Byte-compatible with Megatron-LM and GPT-NeoX ("MMIDIDX" version 1), little-endi
     34 + 4N     8N        int64 byte offsets of each sequence in .bin
     34 + 12N    8(D+1)    int64 document boundaries, in sequence indices: [0, ..., N]
 
-Here one document is one sequence (no sentence splitting), so the boundaries are 0..N.
+Usually one document is one sequence, so the boundaries are 0..N; Megatron's sentence-level input
+(a list of sentences per document) gives documents of several sequences, and its empty
+documents (`--keep-empty`) documents of none. The GPT datasets sample sequences, as Megatron's do.
 Writers write to temporary names (`.<name>.tmp-<pid>`) and rename at the end: a crash never
 leaves a partial file under the final name, and the temporary files of a killed run are removed
 by the next run for the same output (`remove_stale_temps`). Readers memory-map both files and
@@ -21,7 +23,8 @@ check their sizes against the header.
 Beside the pair, writers put a small sidecar `<prefix>.meta.json` (ours; Megatron ignores it):
 
     {"format": "megatron_id.dataset_meta/1", "dtype": "uint16", "vocab_size": 50257,
-     "max_token_id": 50256, "min_token_id": 0, "num_sequences": 150, "num_tokens": 89203,
+     "max_token_id": 50256, "min_token_id": 0, "num_sequences": 150, "num_documents": 150,
+     "num_tokens": 89203,
      "tokenizer": "/abs/path/tokenizer.json", "eod_id": 50256}
 
 `check_token_ids(prefix, vocab_size)` uses it (or scans the .bin when it is missing or stale)
@@ -153,7 +156,10 @@ class IndexedDatasetWriter:
         with IndexedDatasetWriter(prefix, dtype) as w:
             w.add(np.array([...]))
     Leaving the block normally renames the temporary files into place; an exception removes
-    them. Sequence lengths are kept in memory (4 bytes per document), nothing else is.
+    them. Sequence lengths and document boundaries are kept in memory (4 + 8 bytes per
+    sequence), nothing else is. A sequence is its own document unless `add_many` is told how
+    many sequences each document holds (Megatron's sentence-level documents, and its empty
+    documents: a document of zero sequences).
     `finalize()` is `prepare()` (close and write the index and sidecar, still under temporary
     names) then `commit()` (the renames): a tool writing several outputs prepares all of them
     before committing any, so a failure leaves every old output as it was.
@@ -176,6 +182,8 @@ class IndexedDatasetWriter:
         self._meta_tmp = temp_path(self.meta_path)
         self._bin = open(self._bin_tmp, "wb")
         self._lengths = np.zeros(1024, dtype=np.int32)
+        self._documents = np.zeros(1024, dtype=np.int64)   # [0, end of doc 1, ...] in sequences
+        self.num_documents = 0
         self.num_sequences = 0
         self.num_tokens = 0
         self.min_token_id: int | None = None
@@ -200,15 +208,23 @@ class IndexedDatasetWriter:
             self._lengths = np.resize(self._lengths, 2 * len(self._lengths))
         self._lengths[self.num_sequences] = tokens.size
         self.num_sequences += 1
+        self._end_documents(np.ones(1, dtype=np.int64))
         self.num_tokens += int(tokens.size)
 
-    def add_many(self, flat: np.ndarray, lengths: np.ndarray) -> None:
-        """Append several sequences given as one flat array and their lengths (fast path)."""
+    def add_many(self, flat: np.ndarray, lengths: np.ndarray, sequences_per_document=None) -> None:
+        """Append several sequences given as one flat array and their lengths (fast path).
+        `sequences_per_document` (default: one each) groups them into documents; a 0 is an
+        empty document, as Megatron writes one."""
         flat = np.asarray(flat)
         if flat.size:
             self._see(flat.min(), flat.max())
         self._bin.write(flat.astype(self.dtype, copy=False).tobytes())
         self._extend_lengths(lengths)
+        counts = np.ones(len(lengths), dtype=np.int64) if sequences_per_document is None else \
+            np.asarray(sequences_per_document, dtype=np.int64)
+        if counts.sum() != len(lengths):
+            raise ValueError(f"{int(counts.sum())} sequences in documents, {len(lengths)} given")
+        self._end_documents(counts)
         self.num_tokens += int(flat.size)
 
     def append(self, other: "IndexedDataset", chunk_tokens: int = 1 << 24) -> None:
@@ -222,6 +238,7 @@ class IndexedDatasetWriter:
             self._see(chunk.min(), chunk.max())
             self._bin.write(chunk.tobytes())
         self._extend_lengths(other.lengths)
+        self._end_documents(np.diff(other.document_index))   # its documents, as they were
         self.num_tokens += other.num_tokens
 
     def _extend_lengths(self, lengths) -> None:
@@ -231,17 +248,28 @@ class IndexedDatasetWriter:
         self._lengths[self.num_sequences:need] = lengths
         self.num_sequences = need
 
+    def _end_documents(self, counts: np.ndarray) -> None:
+        """Close documents of counts[i] sequences each; the sequences are already added."""
+        need = self.num_documents + 1 + len(counts)
+        if need > len(self._documents):
+            self._documents = np.resize(self._documents, max(need, 2 * len(self._documents)))
+        start = self._documents[self.num_documents]
+        self._documents[self.num_documents + 1:need] = start + np.cumsum(counts)
+        self.num_documents += len(counts)
+
     def meta(self) -> dict:
         """The sidecar's content for what was written so far."""
         return {"format": META_FORMAT, "dtype": str(self.dtype), "vocab_size": self.vocab_size,
                 "max_token_id": self.max_token_id, "min_token_id": self.min_token_id,
-                "num_sequences": self.num_sequences, "num_tokens": self.num_tokens,
+                "num_sequences": self.num_sequences, "num_documents": self.num_documents,
+                "num_tokens": self.num_tokens,
                 "tokenizer": self.tokenizer, "eod_id": self.eod_id}
 
     def prepare(self) -> None:
         """Close the .bin and write the .idx and the sidecar, all still under temporary names."""
         self._bin.close()
-        write_index(self._idx_tmp, self.dtype, self._lengths[: self.num_sequences])
+        write_index(self._idx_tmp, self.dtype, self._lengths[: self.num_sequences],
+                    self._documents[: self.num_documents + 1])
         self._meta_tmp.write_text(json.dumps(self.meta(), indent=1) + "\n")
         self._prepared = True
 
@@ -276,17 +304,20 @@ class IndexedDatasetWriter:
         return False
 
 
-def write_index(path, dtype, lengths: np.ndarray) -> None:
+def write_index(path, dtype, lengths: np.ndarray, documents: np.ndarray | None = None) -> None:
+    """documents: the boundaries [0, ..., len(lengths)] in sequences (default: one sequence
+    per document)."""
     lengths = np.asarray(lengths, dtype=np.int32)
     n = len(lengths)
+    documents = np.arange(n + 1, dtype=np.int64) if documents is None else np.asarray(documents, dtype=np.int64)
     pointers = np.zeros(n, dtype=np.int64)
     if n:
         np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
     with open(path, "wb") as f:
-        f.write(HEADER.pack(MAGIC, VERSION, CODE_OF[np.dtype(dtype)], n, n + 1))
+        f.write(HEADER.pack(MAGIC, VERSION, CODE_OF[np.dtype(dtype)], n, len(documents)))
         f.write(lengths.tobytes())
         f.write(pointers.tobytes())
-        f.write(np.arange(n + 1, dtype=np.int64).tobytes())
+        f.write(documents.tobytes())
 
 
 class IndexedDataset:

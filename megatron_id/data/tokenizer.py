@@ -7,6 +7,7 @@ from pathlib import Path
 from ..errors import UserError
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+GPT2_SPECIAL_TOKENS = ("<|endoftext|>",)
 
 
 class TokenizerError(UserError, ValueError):
@@ -44,9 +45,18 @@ def load_tokenizer(path=None, vocab_file=None, merge_file=None):
         for f in (vocab_file, merge_file):
             if not Path(f).is_file():
                 raise TokenizerError(f"tokenizer file not found: {f}.")
-        tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        try:
+            tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        except Exception as err:
+            raise TokenizerError(f"--vocab-file {vocab_file} / --merge-file {merge_file} are not a GPT-2 style "
+                                 f"vocab.json and merges.txt: {err}") from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
+        # the end-of-text token is special, as in GPT-2's tokenizer.json and Megatron's
+        # GPT2BPETokenizer: a literal "<|endoftext|>" in a document is one id (50256), not 7
+        specials = [t for t in GPT2_SPECIAL_TOKENS if tok.token_to_id(t) is not None]
+        if specials:
+            tok.add_special_tokens(specials)
         return tok
     raise TokenizerError("no tokenizer given: pass --tokenizer tokenizer.json (or "
                          "--vocab-file and --merge-file).")
