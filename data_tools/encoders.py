@@ -55,14 +55,14 @@ TOKENIZER_TYPES = sorted(JSON_TYPES | BPE_PAIR_TYPES | SENTENCEPIECE_TYPES | set
 
 
 def _is_tokenizer_json(path: Path) -> bool:
-    """A HF tokenizer.json (an object with a "model"), as opposed to GPT-2's flat vocab.json."""
+    """A HF tokenizer.json (an object whose "model" is an object), as opposed to GPT-2's flat
+    vocab.json (token -> id; its token "model" maps to a number)."""
     try:
         with open(path, encoding="utf-8") as f:
-            head = f.read(1 << 16)
-    except OSError:
+            data = json.load(f)
+    except (OSError, ValueError):
         return False
-    # cheap: a tokenizer.json names its version and model near the top; vocab.json is token -> id
-    return '"model"' in head or '"added_tokens"' in head or '"version"' in head[:200]
+    return isinstance(data, dict) and isinstance(data.get("model"), dict)
 
 
 class TokenizerSpec:
@@ -159,8 +159,9 @@ class NullEncoder:
             try:
                 ids = [int(x) for x in text.split(" ")] if text else []
             except ValueError:
-                raise TokenizerError(f"NullTokenizer: a document is not ids separated by spaces: "
-                                     f"{text[:60]!r}") from None
+                raise TokenizerError(f"--tokenizer-type NullTokenizer: a document is not ids separated by "
+                                     f"single spaces: {text[:60]!r}. This type reads pre-tokenized ids as text; "
+                                     f"for ordinary text pass a tokenizer.json instead.") from None
             if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                 raise TokenizerError(f"NullTokenizer: id {max(ids) if max(ids) >= self.vocab_size else min(ids)} "
                                      f"is outside 0..{self.vocab_size - 1} (--vocab-size {self.vocab_size}).")
