@@ -24,6 +24,7 @@ setup(
         "tokenizers",
         "zstandard",       # .jsonl.zst input
         "tensorboard",
+        "matplotlib",      # megatron-id eval's plots
     ],
     extras_require={
         # loading exported folders with AutoModelForCausalLM (exporting itself needs only safetensors)

@@ -25,7 +25,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from megatron_id.data.tokenizer import TokenizerError, eod_id, load_tokenizer
+from megatron_id.data.tokenizer import TokenizerError, byte_decoder, eod_id, load_tokenizer
 
 # --tokenizer-type values: Megatron-LM's (tools/preprocess_data.py, TokenizerConfig) and
 # GPT-NeoX's (tools/datasets/preprocess_data.py), each with what this tool does with it
@@ -169,18 +169,6 @@ class NullEncoder:
         return out
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
 # the split pattern of GPT-2's byte-level pre-tokenizer (what tokenizers' ByteLevel(use_regex=True)
 # applies), in tiktoken's spelling
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -216,7 +204,7 @@ def tiktoken_unavailable(tokenizer) -> str | None:
         if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
             return f"its added token {token['content']!r} strips spaces or matches single words only"
     vocab, added = model["vocab"], {t["content"] for t in spec.get("added_tokens") or []}
-    decoder = _byte_decoder()
+    decoder = byte_decoder()
     if any(ch not in decoder for t in vocab if t not in added for ch in t):
         return "its vocabulary has tokens outside the byte-level alphabet"
     last = -1
@@ -239,7 +227,7 @@ class TiktokenEncoder:
         import tiktoken
         spec = json.loads(tokenizer.to_str())
         added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
-        decoder = _byte_decoder()
+        decoder = byte_decoder()
         ranks = {bytes(decoder[ch] for ch in token): i for token, i in spec["model"]["vocab"].items()
                  if token not in added}
         self.encoding = tiktoken.Encoding("megatron_id-local", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,

@@ -342,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=0, help="print only the first N rows (0: all)")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_plan)
+    from .evaluation.run import add_parser as add_eval_parser, command as eval_command
+    add_eval_parser(sub)
+    sub.choices["eval"].set_defaults(func=eval_command)
     return parser
 
 

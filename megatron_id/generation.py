@@ -20,13 +20,23 @@ from .errors import BadOptionError
 from .model import LanguageModel
 
 
-def load_model_and_tokenizer(source, tokenizer=None):
-    """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id) from a training checkpoint
-    (root or iter folder) or an exported Hugging Face folder (it has config.json)."""
+class Trained:
+    """A model loaded for inference: the LanguageModel (eval mode, TP=1), its tokenizer, the
+    end-of-document id, the model config and the checkpoint's client state (None for exports)."""
+
+    def __init__(self, model, tokenizer, eod: int, cfg, client, tokenizer_path: Path):
+        self.model, self.tokenizer, self.eod, self.cfg, self.client = model, tokenizer, eod, cfg, client
+        self.tokenizer_path = tokenizer_path
+
+
+def load_trained(source, tokenizer=None) -> Trained:
+    """From a training checkpoint (root or iter folder, any layout) or an exported Hugging Face
+    folder (it has config.json)."""
     from .checkpoint.read import read_checkpoint
     from .data.tokenizer import eod_id, find_tokenizer, load_tokenizer
     from .hf.export import read_hf_folder
     source = Path(source)
+    client = None
     if (source / "config.json").is_file():
         _, cfg, weights = read_hf_folder(source)
         tokenizer = find_tokenizer(tokenizer, str(source / "tokenizer.json"), source)
@@ -36,7 +46,13 @@ def load_model_and_tokenizer(source, tokenizer=None):
     model = LanguageModel(cfg, seed=None)
     model.load_state_dict(weights, strict=True)
     tok = load_tokenizer(str(tokenizer))
-    return model.eval(), tok, eod_id(tok)
+    return Trained(model.eval(), tok, eod_id(tok), cfg, client, Path(tokenizer))
+
+
+def load_model_and_tokenizer(source, tokenizer=None):
+    """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id): see load_trained."""
+    trained = load_trained(source, tokenizer)
+    return trained.model, trained.tokenizer, trained.eod
 
 
 def check_options(max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,

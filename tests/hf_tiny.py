@@ -33,7 +33,12 @@ def tiny_export(folder: Path, mixer: str = "interdomain", items=(), seed: int = 
         for parameter in model.parameters():
             if not parameter.any():
                 parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
-    client = ClientState(step=0, model=model_config_dict(cfg), weights_only=True, tokenizer=str(TOKENIZER),
+    return export_model(model, cfg, folder)
+
+
+def export_model(model: LanguageModel, cfg, folder: Path, step: int = 0, tokenizer: Path = TOKENIZER) -> Path:
+    """`model` written as a weights-only checkpoint (`folder`-ckpt) and exported to `folder`."""
+    client = ClientState(step=step, model=model_config_dict(cfg), weights_only=True, tokenizer=str(tokenizer),
                          layout={"tensor": 1, "pipe": 1, "data": 1, "zero_stage": 0})
     shard = {k: v.detach().clone() for k, v in model.state_dict().items()}
     checkpoint = write_folder(Path(folder).with_name(Path(folder).name + "-ckpt"),

@@ -151,6 +151,10 @@ class ClientState:
     skipped_steps: int = 0            # non-finite steps skipped so far
     rng: dict | None = None           # rng_state() of rank 0
     weights_only: bool = False        # written by import-hf: no optimizer state
+    # what the data and its validation were (megatron-id eval rebuilds the same validation
+    # samples from it): data_path, split, seed, seq_length, eval_iters, global_batch_size,
+    # train_iters, eval_interval; None: written before it was recorded, or by import-hf
+    data: dict | None = None
 
     def model_config(self) -> ModelConfig:
         return model_config_from_dict(self.model)

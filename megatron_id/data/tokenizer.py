@@ -62,6 +62,39 @@ def load_tokenizer(path=None, vocab_file=None, merge_file=None):
                          "--vocab-file and --merge-file).")
 
 
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte (what
+    tokenizers' ByteLevel pre-tokenizer maps bytes to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes(tokenizer) -> list[int]:
+    """How many bytes of text each id stands for (0 for special tokens such as the EOD): for
+    byte-level BPE exactly, from the byte alphabet; else from decoding the id alone."""
+    import json
+    spec = json.loads(tokenizer.to_str())
+    special = {t["id"] for t in spec.get("added_tokens") or [] if t.get("special")}
+    byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+    decoder = byte_decoder()
+    out = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        token = tokenizer.id_to_token(i)
+        if token is None or i in special:
+            out.append(0)
+        elif byte_level and all(ch in decoder for ch in token):
+            out.append(len(token))
+        else:
+            out.append(len(tokenizer.decode([i]).encode("utf-8")))
+    return out
+
+
 def eod_id(tokenizer, token: str | None = None) -> int:
     candidates = [token] if token else list(EOD_CANDIDATES)
     for c in candidates:

@@ -334,10 +334,20 @@ class Trainer:
             step=self.step, model=model_config_dict(self.cfg.model), layout=engine_io.current_layout(self),
             consumed_samples=self.step * self.layout.global_batch_size,
             tokenizer=str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
-            evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state())
+            evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state(),
+            data=self.data_record())
         folder = engine_io.save(self, root, client)
         self.saved_step = self.step
         return folder
+
+    def data_record(self) -> dict:
+        """The data and validation settings a checkpoint records (for megatron-id eval)."""
+        d = self.cfg.data
+        return {"data_path": [str(x) for x in d.data_path], "split": d.split, "seed": self.cfg.seed,
+                "seq_length": self.cfg.model.seq_length, "eval_iters": self.cfg.train.eval_iters,
+                "eval_interval": self.cfg.train.eval_interval, "train_iters": self.layout.train_iters,
+                "global_batch_size": self.layout.global_batch_size,
+                "index_cache_dir": d.index_cache_dir}
 
     def load_checkpoint(self, root) -> None:
         """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py)."""
