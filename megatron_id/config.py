@@ -52,6 +52,11 @@ class ModelConfig:
     state_size: int = 64              # M, basis functions (modes) per head
     conv_kernel: int = 4              # short causal depthwise conv
     chunk_size: int = 64              # T of the chunked training form
+    # Delta's initial range, log-uniform per head (the paper's 1e-3..1e-1). With A's real part
+    # at -1/2, the slowest mode forgets over ~2/dt_min tokens (2,000 at the paper's value, half
+    # its 4K context); a run at a much shorter context may scale it (docs/replication.md)
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
     # the ablation cube; None means "the mixer's default" (MIXER_DEFAULTS)
     query_readout: Optional[bool] = None
     dual_kv_input: Optional[bool] = None
@@ -255,6 +260,7 @@ def resolve(cfg: Config) -> Config:
         ("chunk_size", m.chunk_size >= 1, "must be at least 1"),
         ("seq_length", m.seq_length >= 1, "must be at least 1"),
         ("norm_eps", m.norm_eps > 0, "must be positive"),
+        ("dt_min", 0 < m.dt_min <= m.dt_max, "must be positive and at most model.dt_max"),
         ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by >= 0,
          "must be >= 0 (0 turns vocabulary padding off)"),
     ]

@@ -1,5 +1,6 @@
 """One schema, YAML files, key=value overrides; bad input is a clear error."""
 import pytest
+import torch
 
 from conftest import CONFIGS
 from megatron_id.cli import main
@@ -85,3 +86,25 @@ def test_a_plain_data_path_override_becomes_a_list():
     assert load_config([], ["data.data_path=0.3 data/a 0.7 data/b"]).data.data_path == \
         ["0.3", "data/a", "0.7", "data/b"]
     assert load_config([], ["data.data_path=[data/y]"]).data.data_path == ["data/y"]
+
+
+def test_delta_init_range_is_a_config_with_the_papers_default():
+    """model.dt_min / dt_max set Delta's initial range (log-uniform per head); the default is the
+    paper's [1e-3, 1e-1] and draws what the fixed constants drew; a bad range is refused."""
+    import math
+    from megatron_id.model import LanguageModel
+    base = load_config([CONFIGS / "model" / "tiny.yaml"], ["model.n_heads=4", "model.n_layers=1"]).model
+    assert (base.dt_min, base.dt_max) == (1e-3, 1e-1)
+    dt = LanguageModel(base, seed=3).layers[0].mixer.log_dt.detach().exp()
+    assert ((dt >= 1e-3) & (dt <= 1e-1)).all()
+    scaled = load_config([CONFIGS / "model" / "tiny.yaml"], ["model.n_heads=4", "model.n_layers=1",
+                                                               "model.dt_min=0.02", "model.dt_max=0.5"]).model
+    dt_scaled = LanguageModel(scaled, seed=3).layers[0].mixer.log_dt.detach().exp()
+    assert ((dt_scaled >= 0.02) & (dt_scaled <= 0.5)).all()
+    # the same uniform draws, mapped to the other range
+    u = (dt.log() - math.log(1e-3)) / (math.log(1e-1) - math.log(1e-3))
+    v = (dt_scaled.log() - math.log(0.02)) / (math.log(0.5) - math.log(0.02))
+    assert torch.allclose(u, v, atol=1e-5)
+    for bad in (["model.dt_min=0"], ["model.dt_min=0.2", "model.dt_max=0.1"]):
+        with pytest.raises(ConfigError, match="model.dt_min=.* must be positive and at most model.dt_max"):
+            load_config([CONFIGS / "model" / "tiny.yaml"], bad)

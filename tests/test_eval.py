@@ -21,7 +21,8 @@ from conftest import CONFIGS, ROOT
 from distributed import run_distributed
 from megatron_id.config import load_config
 from megatron_id.data.tokenizer import load_tokenizer
-from megatron_id.evaluation.recall import FILLER, KEY_WORDS, NEEDLE, QUESTION, mqar, passkey
+from megatron_id.evaluation.recall import (FILLER, KEY_WORDS, NEEDLE, QUESTION, mqar, mqar_correct, passkey,
+                                           passkey_correct)
 
 GPT2 = ROOT / "tests" / "data" / "gpt2-tokenizer.json"
 SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare-200k.txt"
@@ -216,3 +217,36 @@ def test_lm_eval_runs_local_tasks_on_a_tiny_export(tmp_path):
                   rolling["bits_per_byte,none"]):
         assert value > 0 and value == value and value != float("inf"), results
     assert 0 <= lastword["acc,none"] <= 1
+
+
+class Oracle:
+    """A 'model' that knows the sequence: at every position its logits pick the true next id
+    (`ids`), or a wrong one (`wrong`); it carries its position as the state, as the mixers do."""
+
+    def __init__(self, ids, vocab=50257, wrong=False):
+        self.ids, self.vocab, self.wrong = ids, vocab, wrong
+
+    def __call__(self, tokens, states=None, return_states=True):
+        start = states or 0
+        logits = torch.zeros(1, tokens.shape[1], self.vocab)
+        for i in range(tokens.shape[1]):
+            nxt = self.ids[start + i + 1] if start + i + 1 < len(self.ids) else 0
+            logits[0, i, (nxt + 1) % self.vocab if self.wrong else nxt] = 50.0
+        return logits, start + tokens.shape[1]
+
+
+def test_recall_scoring_against_an_oracle():
+    """An oracle that always predicts the true next token scores 1 with loss ~0 on both probes,
+    also when the prompt is fed in chunks; one that is always wrong scores 0 with a high loss."""
+    tok = load_tokenizer(str(GPT2))
+    p = passkey(tok, 100, 0.5, random.Random(0))
+    m = mqar(tok, 8, random.Random(0))
+    for chunk in (7, 2048):
+        ok, loss = passkey_correct(Oracle(p.ids + p.answers[0]), p, "cpu", chunk)
+        assert ok and loss < 1e-6
+        hits, losses = mqar_correct(Oracle(m.ids), m, "cpu", chunk)
+        assert hits == [True] * 8 and max(losses) < 1e-6
+    ok, loss = passkey_correct(Oracle(p.ids + p.answers[0], wrong=True), p, "cpu")
+    assert not ok and loss > 40
+    hits, losses = mqar_correct(Oracle(m.ids, wrong=True), m, "cpu")
+    assert not any(hits) and min(losses) > 40

@@ -105,26 +105,40 @@ def mqar(tokenizer, pairs: int, rng: random.Random) -> Probe:
 
 
 @torch.no_grad()
-def passkey_correct(model, probe: Probe, device, chunk: int = 2048) -> bool:
-    """Greedy decoding of len(answer) tokens after the prompt equals the answer."""
+def passkey_correct(model, probe: Probe, device, chunk: int = 2048) -> tuple[bool, float]:
+    """(greedy decoding of len(answer) tokens after the prompt equals the answer, the answer's
+    loss in nats per token under teacher forcing: a graded signal where accuracy is 0)."""
     tokens, states, logits = torch.tensor([probe.ids], device=device), None, None
     for start in range(0, tokens.shape[1], chunk):
         logits, states = model(tokens[:, start:start + chunk], states=states, return_states=True)
-    got = []
-    for _ in probe.answers[0]:
+    got, losses = [], []
+    answer = probe.answers[0]
+    greedy_states, greedy_logits = states, logits
+    for token in answer:   # teacher forcing: the loss of each answer token
+        losses.append(float(-torch.log_softmax(logits[0, -1].float(), -1)[token]))
+        logits, states = model(torch.tensor([[token]], device=device), states=states, return_states=True)
+    states, logits = greedy_states, greedy_logits
+    for _ in answer:
         token = int(logits[0, -1].argmax())
         got.append(token)
+        if len(got) == len(answer) or got != answer[:len(got)]:
+            break
         logits, states = model(torch.tensor([[token]], device=device), states=states, return_states=True)
-    return got == probe.answers[0]
+    return got == answer, sum(losses) / len(losses)
 
 
 @torch.no_grad()
-def mqar_correct(model, probe: Probe, device, chunk: int = 2048) -> list[bool]:
-    """For each query, whether every token of its value is the argmax under teacher forcing."""
+def mqar_correct(model, probe: Probe, device, chunk: int = 2048) -> tuple[list[bool], list[float]]:
+    """Per query: whether every token of its value is the argmax under teacher forcing, and the
+    value's loss in nats per token."""
     tokens, states, pieces = torch.tensor([probe.ids], device=device), None, []
     for start in range(0, tokens.shape[1], chunk):
         logits, states = model(tokens[:, start:start + chunk], states=states, return_states=True)
-        pieces.append(logits[0].argmax(-1))
-    predicted = torch.cat(pieces).tolist()   # predicted[i]: the model's guess for ids[i + 1]
-    return [all(predicted[p + j - 1] == t for j, t in enumerate(value))
-            for p, value in zip(probe.positions, probe.answers)]
+        pieces.append(torch.log_softmax(logits[0].float(), -1))
+    logp = torch.cat(pieces)   # logp[i]: the model's distribution for ids[i + 1]
+    hits, losses = [], []
+    for p, value in zip(probe.positions, probe.answers):
+        rows = logp[p - 1:p - 1 + len(value)]
+        hits.append(bool((rows.argmax(-1) == torch.tensor(value, device=rows.device)).all()))
+        losses.append(float(-rows[torch.arange(len(value)), torch.tensor(value)].mean()))
+    return hits, losses

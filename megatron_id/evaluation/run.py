@@ -209,18 +209,22 @@ def run_recall(trained, args) -> dict:
                     probes = [passkey(trained.tokenizer, length, depth, rng) for _ in range(args.samples)]
                 except ValueError as err:
                     raise EvalError(f"--factors {factor}: {err}; use larger factors.") from None
-                correct = sum(passkey_correct(trained.model, p, args.device, args.chunk_size) for p in probes)
-                cells.append({"factor": factor, "length": length, "depth": depth, "accuracy": correct / len(probes),
-                              "samples": len(probes)})
+                scored = [passkey_correct(trained.model, p, args.device, args.chunk_size) for p in probes]
+                cells.append({"factor": factor, "length": length, "depth": depth,
+                              "accuracy": sum(ok for ok, _ in scored) / len(probes),
+                              "answer_loss": sum(loss for _, loss in scored) / len(probes), "samples": len(probes)})
         out["passkey"] = cells
     if "mqar" in args.task:
         cells = []
         for pairs in args.pairs:
             rng = random.Random(f"{args.seed}-mqar-{pairs}")
             probes = [mqar(trained.tokenizer, pairs, rng) for _ in range(args.samples)]
-            hits = [h for p in probes for h in mqar_correct(trained.model, p, args.device, args.chunk_size)]
+            scored = [mqar_correct(trained.model, p, args.device, args.chunk_size) for p in probes]
+            hits = [h for ok, _ in scored for h in ok]
+            losses = [x for _, loss in scored for x in loss]
             cells.append({"pairs": pairs, "length": int(np.mean([p.length for p in probes])),
-                          "accuracy": sum(hits) / len(hits), "queries": len(hits)})
+                          "accuracy": sum(hits) / len(hits), "answer_loss": sum(losses) / len(losses),
+                          "queries": len(hits)})
         out["mqar"] = cells
     return out
 
@@ -260,10 +264,18 @@ def markdown(evaluation: str, results: list[dict]) -> str:
                 got = {(c["factor"], c["length"]): c["accuracy"] for c in r["passkey"] if c["depth"] == depth}
                 rows.append((r["name"], depth, *[_f(got[k], 2) for k in keys]))
         parts.append("passkey accuracy (prompt length in tokens)\n\n" + _md_table(head, rows))
+        loss_rows = [(r["name"], *[_f(sum(c["answer_loss"] for c in r["passkey"] if (c["factor"], c["length"]) == k) /
+                                      sum(1 for c in r["passkey"] if (c["factor"], c["length"]) == k), 3) for k in keys])
+                     for r in results]
+        parts.append("passkey: the key's loss under teacher forcing (nats per token, mean over depths; lower is "
+                     "better)\n\n" + _md_table(["model"] + head[2:], loss_rows))
     if "mqar" in results[0]:
         pairs = [c["pairs"] for c in results[0]["mqar"]]
         rows = [(r["name"], *[_f(c["accuracy"], 3) for c in r["mqar"]]) for r in results]
         parts.append("multi-query associative recall: accuracy per query\n\n" +
+                     _md_table(["model"] + [f"{p} pairs" for p in pairs], rows))
+        rows = [(r["name"], *[_f(c["answer_loss"], 3) for c in r["mqar"]]) for r in results]
+        parts.append("multi-query associative recall: the value's loss (nats per token; lower is better)\n\n" +
                      _md_table(["model"] + [f"{p} pairs" for p in pairs], rows))
     return "\n\n".join(parts)
 
@@ -283,12 +295,12 @@ def write_csv(path: Path, evaluation: str, results: list[dict]) -> None:
                 for b in r["positions"]["buckets"]:
                     w.writerow([r["name"], "position", b["start"], b["end"], "", b["loss"], b["perplexity"]])
         else:
-            w.writerow(["model", "task", "length", "depth_or_pairs", "accuracy"])
+            w.writerow(["model", "task", "length", "depth_or_pairs", "accuracy", "answer_loss"])
             for r in results:
                 for c in r.get("passkey", []):
-                    w.writerow([r["name"], "passkey", c["length"], c["depth"], c["accuracy"]])
+                    w.writerow([r["name"], "passkey", c["length"], c["depth"], c["accuracy"], c["answer_loss"]])
                 for c in r.get("mqar", []):
-                    w.writerow([r["name"], "mqar", c["length"], c["pairs"], c["accuracy"]])
+                    w.writerow([r["name"], "mqar", c["length"], c["pairs"], c["accuracy"], c["answer_loss"]])
 
 
 def write_png(path: Path, evaluation: str, results: list[dict]) -> bool:

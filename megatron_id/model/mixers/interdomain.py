@@ -67,6 +67,8 @@ class InterdomainMixer(nn.Module):
         self.k_norm, self.v_norm = RMSNorm(Dh, cfg.norm_eps), RMSNorm(Dh, cfg.norm_eps)
         self.k_bias, self.v_bias = nn.Parameter(torch.zeros(H, Dh)), nn.Parameter(torch.zeros(H, Dh))
         self.log_dt = nn.Parameter(torch.zeros(H))
+        # (exports written before model.dt_min existed carry no such keys: the paper's range)
+        self.dt_range = (getattr(cfg, "dt_min", DT_MIN), getattr(cfg, "dt_max", DT_MAX))
         self.a_log, self.a_im = nn.Parameter(torch.zeros(H, M)), nn.Parameter(torch.zeros(H, M))
         self.c_re, self.c_im = nn.Parameter(torch.zeros(H, M, M)), nn.Parameter(torch.zeros(H, M, M))
         out_width = d if self.query_readout else 2 * d   # contraction emits [Re c.U, Re c.Gam] per head
@@ -81,7 +83,8 @@ class InterdomainMixer(nn.Module):
         the full tensor and keep its heads."""
         if name == "log_dt":
             u = torch.rand(shape, generator=generator, dtype=torch.float64)
-            return (math.log(DT_MIN) + u * (math.log(DT_MAX) - math.log(DT_MIN))).float()
+            low, high = map(math.log, self.dt_range)
+            return (low + u * (high - low)).float()
         if name in ("a_log", "a_im"):
             return s4d_inv_init(*shape)[0 if name == "a_log" else 1].float()
         if name == "c_re":   # C = identity at init [our choice]

@@ -1,0 +1,71 @@
+"""launch/reproduce.py in its smoke form (issue 14): on a 300-article slice of the Wikipedia
+corpus, the whole pipeline (tokenizer, preprocessing, two models, every evaluation, the report);
+killed while a model trains, the same command continues where it stopped (finished steps are not
+redone, the model resumes from its checkpoint) and ends with the complete report."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+CORPUS = ROOT.parent / "shared" / "data" / "corpus"
+
+
+def slice_corpus(folder, train_docs=300, val_docs=20):
+    import zstandard
+    folder.mkdir()
+    for name, count in (("enwiki2015_train-00-of-04.jsonl.zst", train_docs), ("enwiki2015_val.jsonl.zst", val_docs)):
+        with open(CORPUS / name, "rb") as f:
+            reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8")
+            lines = [next(reader) for _ in range(count)]
+        (folder / name).write_bytes(zstandard.ZstdCompressor().compress("".join(lines).encode()))
+    return folder
+
+
+@pytest.mark.slow
+def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
+    if not (CORPUS / "enwiki2015_val.jsonl.zst").is_file():
+        pytest.skip(f"the Wikipedia corpus is not at {CORPUS} (the shared folder beside the project)")
+    corpus = slice_corpus(tmp_path / "corpus")
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "launch" / "reproduce.py"), "--smoke", "--corpus", str(corpus),
+               "--extra", str(ROOT / "tests" / "data" / "tinyshakespeare-200k.txt"), "--out", str(out)]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    deadline = time.time() + 600
+    latest = out / "runs" / "interdomain" / "latest"
+    while not latest.exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert latest.exists(), first.communicate()[0][-3000:]
+    os.killpg(first.pid, signal.SIGTERM)   # as a scheduler stops a job: the trainer saves and stops
+    output = first.communicate(timeout=300)[0]
+    assert first.returncode != 0 and "to continue from here" in output, output[-3000:]
+    stopped = latest.read_text().strip()
+    assert stopped != "iter_0000024", "the kill came too late to test a resume"
+    state = json.loads((out / "state.json").read_text())
+    assert "train:softmax" in state and "train:interdomain" not in state
+
+    second = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert "train:softmax ..." not in second.stdout and "tokenizer ..." not in second.stdout   # not redone
+    assert latest.read_text().strip() == "iter_0000024"
+    log = (out / "logs" / "interdomain.log").read_text()
+    # the first attempt stopped early (saving), the second loaded that checkpoint and finished
+    assert f"finished at step {int(stopped[5:])};" in log and log.count("finished at step 24;") == 1
+    assert f"steps {int(stopped[5:]) + 1}-24 |" in log, log[-3000:]   # the second attempt's header
+    report = (out / "replication.md").read_text()
+    for part in ("## The orderings", "| softmax |", "| interdomain |", "## Length extrapolation", "## Recall",
+                 "python launch/reproduce.py --smoke"):
+        assert part in report, part
+    assert (out / "replication-plots" / "length.png").stat().st_size > 10_000
+    state = json.loads((out / "state.json").read_text())
+    assert {"eval:length", "eval:recall", "eval:perplexity:wikipedia-val",
+            "eval:perplexity:tinyshakespeare-200k"} <= set(state)
