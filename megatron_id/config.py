@@ -35,6 +35,13 @@ class Readout(str, Enum):
     plain = "plain"
 
 
+class CoreImpl(str, Enum):
+    """How the interdomain / S4D core is computed in training (ops/interdomain/chunked.py)."""
+    auto = "auto"             # recompute from 16K tokens per sequence on (RECOMPUTE_FROM_TOKENS)
+    autograd = "autograd"     # chunked, autograd keeps every intra-chunk tensor
+    recompute = "recompute"   # chunked, backward recomputes segment by segment (bounded memory)
+
+
 @dataclass
 class ModelConfig:
     mixer: Mixer = Mixer.interdomain
@@ -52,6 +59,7 @@ class ModelConfig:
     state_size: int = 64              # M, basis functions (modes) per head
     conv_kernel: int = 4              # short causal depthwise conv
     chunk_size: int = 64              # T of the chunked training form
+    core_impl: CoreImpl = CoreImpl.auto
     # Delta's initial range, log-uniform per head (the paper's 1e-3..1e-1). With A's real part
     # at -1/2, the slowest mode forgets over ~2/dt_min tokens (2,000 at the paper's value, half
     # its 4K context); a run at a much shorter context may scale it (docs/replication.md)

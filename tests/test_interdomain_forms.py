@@ -15,7 +15,7 @@ import torch
 from conftest import relative_error
 from megatron_id.model.init import initialize
 from megatron_id.model.mixers import InterdomainMixer
-from megatron_id.ops.interdomain import FORMS
+from megatron_id.ops.interdomain import FORMS, chunked
 from megatron_id.ops.interdomain.ssm import s4d_inv_init
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -41,8 +41,18 @@ def core_inputs(seed, dtype, *, B, N, H, R, Dv, M, delta, contraction, with_stat
     return {k: cast(v) for k, v in {**data, **params}.items()}, state
 
 
+def form_options(form, chunk_size):
+    """'chunked' differentiates by autograd; 'recompute' is the chunked form with the
+    recomputing backward, in segments of 2 chunks so that every sequence has several."""
+    if form == "chunked":
+        return "chunked", dict(chunk_size=chunk_size, backward="autograd")
+    if form == "recompute":
+        return "chunked", dict(chunk_size=chunk_size, backward="recompute", segment_chunks=2)
+    return form, {}
+
+
 def run_form(form, tensors, state, readout, chunk_size):
-    kw = dict(chunk_size=chunk_size) if form == "chunked" else {}
+    form, kw = form_options(form, chunk_size)
     out, final = FORMS[form](tensors["q"], tensors["k"], tensors["v"], tensors["log_dt"],
                              tensors["a_log"], tensors["a_im"], tensors["c_re"], tensors["c_im"],
                              readout=readout, c_vec=tensors.get("c_vec"), initial_state=state,
@@ -77,7 +87,7 @@ def test_core_forms_agree(dtype, delta, readout, shape, with_state):
                   with_state=with_state)
     ref_in, ref_state = core_inputs(1, torch.float64, **common)
     ref = run_form("naive", ref_in, ref_state, mode, T)
-    for form in ("recurrent", "chunked"):
+    for form in ("recurrent", "chunked", "recompute"):
         tensors, state = core_inputs(1, dtype, **common)
         got = run_form(form, tensors, None if state is None else state.to(
             torch.complex128 if dtype == torch.float64 else torch.complex64), mode, T)
@@ -94,12 +104,13 @@ def test_chunked_is_stable_for_very_large_delta():
     tensors, _ = core_inputs(3, torch.float32, **common)
     ref_in, _ = core_inputs(3, torch.float64, **common)
     ref = run_form("naive", ref_in, None, "hermitian", 64)
-    got = run_form("chunked", tensors, None, "hermitian", 64)
-    assert torch.isfinite(got[0]).all()
-    assert relative_error(got[0], ref[0]) < 1e-4
-    for name, grad in ref[2].items():
-        assert torch.isfinite(got[2][name]).all(), name
-        assert relative_error(got[2][name], grad) < 1e-4, name
+    for form, chunk in (("chunked", 64), ("recompute", 16)):
+        got = run_form(form, tensors, None, "hermitian", chunk)
+        assert torch.isfinite(got[0]).all()
+        assert relative_error(got[0], ref[0]) < 1e-4
+        for name, grad in ref[2].items():
+            assert torch.isfinite(got[2][name]).all(), name
+            assert relative_error(got[2][name], grad) < 1e-4, name
 
 
 # ---------------------------------------------------------------- the whole mixer layer
@@ -116,9 +127,13 @@ def cube_id(c):
 
 
 def randomized_layer(tiny_config, switches, delta, dtype, form):
+    """form: naive, recurrent, chunked (autograd backward) or recompute (chunked form with the
+    recomputing backward)."""
+    impl = {"chunked": "autograd", "recompute": "recompute"}.get(form, "auto")
     cfg = tiny_config("model.d_model=16", "model.n_heads=2", "model.state_size=5",
-                      "model.chunk_size=4", *[f"model.{k}={v}" for k, v in switches.items()])
-    layer = InterdomainMixer(cfg, residual_std=0.1, form=form)
+                      "model.chunk_size=4", f"model.core_impl={impl}",
+                      *[f"model.{k}={v}" for k, v in switches.items()])
+    layer = InterdomainMixer(cfg, residual_std=0.1, form="chunked" if form == "recompute" else form)
     initialize(layer, seed=5)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():   # move every parameter off its init so each gradient path is exercised
@@ -133,8 +148,9 @@ def randomized_layer(tiny_config, switches, delta, dtype, form):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("delta", ["init", 1.0], ids=["delta_init", "delta_1"])
 @pytest.mark.parametrize("switches", CUBE, ids=cube_id)
-def test_mixer_layer_forms_agree(tiny_config, switches, delta, dtype):
+def test_mixer_layer_forms_agree(tiny_config, switches, delta, dtype, monkeypatch):
     """Every switch combination: outputs, input gradient and every parameter gradient."""
+    monkeypatch.setattr(chunked, "SEGMENT_CHUNKS", 1)   # 11 tokens, chunks of 4: three segments
     def run(form, run_dtype):
         layer = randomized_layer(tiny_config, switches, delta, run_dtype, form)
         x = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -145,7 +161,7 @@ def test_mixer_layer_forms_agree(tiny_config, switches, delta, dtype):
         return y, x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
     ref = run("naive", torch.float64)
-    for form in ("recurrent", "chunked"):
+    for form in ("recurrent", "chunked", "recompute"):
         y, gx, gp = run(form, dtype)
         assert relative_error(y, ref[0]) < TOL[dtype], (form, "output")
         assert relative_error(gx, ref[1]) < TOL[dtype], (form, "input grad")

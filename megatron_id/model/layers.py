@@ -140,10 +140,17 @@ class ShortConv(nn.Module):
         return (torch.rand(shape, generator=generator) * 2 - 1) * bound
 
     def forward(self, x, state=None):
-        B, N, C = x.shape
-        xt = x.transpose(1, 2)
-        if state is None:
-            state = xt.new_zeros(B, C, self.kernel - 1)
-        xp = torch.cat([state.to(xt.dtype), xt], dim=-1)
-        y = F.conv1d(xp, self.weight.to(xt.dtype), self.bias.to(xt.dtype), groups=C)
-        return y.transpose(1, 2), xp[..., xp.shape[-1] - (self.kernel - 1):]
+        return short_conv(x, self.weight, self.bias, state)
+
+
+def short_conv(x, weight, bias, state=None):
+    """ShortConv's function with explicit weights [C, 1, K] and bias [C] (recomputing backwards
+    call it with their own leaves). Returns (y [B, N, C], the last K-1 inputs [B, C, K-1])."""
+    B, N, C = x.shape
+    K = weight.shape[-1]
+    xt = x.transpose(1, 2)
+    if state is None:
+        state = xt.new_zeros(B, C, K - 1)
+    xp = torch.cat([state.to(xt.dtype), xt], dim=-1)
+    y = F.conv1d(xp, weight.to(xt.dtype), bias.to(xt.dtype), groups=C)
+    return y.transpose(1, 2), xp[..., xp.shape[-1] - (K - 1):]

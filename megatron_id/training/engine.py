@@ -215,7 +215,22 @@ class Trainer:
         return total.item() / (count * self.layout.data)
 
     def _batch(self, dataset, indices) -> torch.Tensor:
-        return torch.stack([torch.from_numpy(dataset[i]) for i in indices]).to(self.device)
+        """One micro-batch on the training device. On CUDA it is staged in pinned memory and
+        copied without blocking the host (the caching host allocator keeps the pinned buffer
+        until the copy is done), so reading the next batch overlaps this one's compute."""
+        host = torch.stack([torch.from_numpy(dataset[i]) for i in indices])
+        if torch.device(self.device).type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _micro_batches(self, dataset, sampler, count: int):
+        """`count` micro-batches, each read and its copy issued one micro-batch ahead of use."""
+        pending = self._batch(dataset, next(sampler))
+        for i in range(count):
+            current = pending
+            if i + 1 < count:
+                pending = self._batch(dataset, next(sampler))
+            yield current
 
     def train_step(self) -> float:
         lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
@@ -243,8 +258,8 @@ class Trainer:
             self.step += 1
             return loss.item()
         total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
-        for _ in range(self.layout.gradient_accumulation):
-            loss = self._loss(self._batch(self.train_data, next(self.sampler)))
+        for batch in self._micro_batches(self.train_data, self.sampler, self.layout.gradient_accumulation):
+            loss = self._loss(batch)
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()

@@ -23,8 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.interdomain import FORMS, recurrent_interdomain, step_tables
+from ...ops.interdomain.chunked import chunk_tables, core_step, recomputes, segment_tokens
+from ...ops.segments import run_in_segments
 from ...ops.interdomain.ssm import s4d_inv_init
-from ..layers import Linear, RMSNorm, ShortConv, apply_rope, feature_map, left_padding
+from ..layers import (Linear, RMSNorm, ShortConv, apply_rope, feature_map, left_padding, rms_norm,
+                      short_conv)
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL, SSM_PER_HEAD, SSM_SHARED_NORM, WITH_HEADS
 
 DT_MIN, DT_MAX = 1e-3, 1e-1
@@ -55,7 +58,10 @@ class InterdomainMixer(nn.Module):
         self.query_readout, self.dual_kv_input = cfg.query_readout, cfg.dual_kv_input
         self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, cfg.readout.value
         self.chunk_size, self.form = cfg.chunk_size, form
+        impl = getattr(cfg, "core_impl", "auto")   # exports written before core_impl existed: auto
+        self.core_impl = getattr(impl, "value", impl)
         std, K, Dh = cfg.init_std, cfg.conv_kernel, d // H
+        self.conv_kernel = K
 
         if self.query_readout:
             self.q_proj, self.q_conv = Linear(d, d, std), ShortConv(d, K)
@@ -100,6 +106,57 @@ class InterdomainMixer(nn.Module):
     def _heads(self, x):   # -1 heads: the same code runs on a tensor-parallel shard's heads
         return x.view(*x.shape[:2], -1, self.head_dim)
 
+    FEATURE_PARAMETERS = ("q_conv.weight", "q_conv.bias", "k_conv.weight", "k_conv.bias",
+                          "a_conv.weight", "a_conv.bias", "b_conv.weight", "b_conv.bias",
+                          "k_norm.weight", "v_norm.weight", "k_bias", "v_bias")
+
+    def feature_parameters(self) -> dict:
+        """The parameters between the projections and the core, by name (those this cell has)."""
+        own = dict(self.named_parameters())
+        return {name: own[name] for name in self.FEATURE_PARAMETERS if name in own}
+
+    def _features(self, x_q, x_k, x_v, conv_in, conv_out, rope_offset, real, params=None):
+        """The core's inputs from the projections: short convs, RoPE, feature maps, norms and
+        biases. conv_out receives the convs' states (for generation). `params` (by name, as
+        feature_parameters) replaces the module's own: the recomputing backward's leaves."""
+        # Without `params` the submodules are called, so that their hooks run (ZeRO-3 gathers
+        # their partitioned weights in them).
+        def only_real(y):   # where(), not a product: nothing computed at a pad can leak
+            return y if real is None else torch.where(real.view(*real.shape, *[1] * (y.dim() - 3)), y, 0)
+
+        def conv(name, y):
+            if params is None:
+                y, conv_out[name] = getattr(self, name)(only_real(y), conv_in.get(name))
+            else:
+                y, conv_out[name] = short_conv(only_real(y), params[f"{name}.weight"],
+                                               params[f"{name}.bias"], conv_in.get(name))
+            return self._heads(y)
+
+        def norm(name, y):
+            if params is None:
+                return getattr(self, name)(y)
+            return rms_norm(y, params[f"{name}.weight"], getattr(self, name).eps)
+
+        P = params if params is not None else {"k_bias": self.k_bias, "v_bias": self.v_bias}
+
+        if self.dual_kv_input:
+            key, value = conv("k_conv", x_k), self._heads(x_v)
+        else:
+            key, value = conv("a_conv", x_k), conv("b_conv", x_v)
+        if self.rope:
+            key = apply_rope(key, rope_offset, self.rope_theta)
+        if self.dual_kv_input:
+            key = feature_map(key)
+        key = only_real(norm("k_norm", key) + P["k_bias"])
+        value = only_real(norm("v_norm", value) + P["v_bias"])
+        query = None
+        if self.query_readout:
+            query = conv("q_conv", x_q)
+            if self.rope:
+                query = apply_rope(query, rope_offset, self.rope_theta)
+            query = feature_map(query)
+        return query, key, value
+
     def forward(self, x, state=None, return_state=False, start=None):
         """x [B, N, d]. state {'ssm': [B, H, M, P] complex, 'conv': {...}, 'pos': int} or None.
         start [B] or None: left padding, each row's first real position (counted like 'pos').
@@ -114,42 +171,20 @@ class InterdomainMixer(nn.Module):
             real, rope_offset = left_padding(start, pos, x.shape[1])
             real = real[..., None]   # [B, N, 1]: broadcasts over channels
 
-        def only_real(y):   # where(), not a product: nothing computed at a pad can leak
-            return y if real is None else torch.where(real.view(*real.shape, *[1] * (y.dim() - 3)), y, 0)
-
-        def conv(name, y):
-            y, conv_out[name] = getattr(self, name)(only_real(y), conv_in.get(name))
-            return self._heads(y)
-
-        if self.dual_kv_input:
-            key, value = conv("k_conv", self.k_proj(x)), self._heads(self.v_proj(x))
+        projected = (self.q_proj(x) if self.query_readout else None,
+                     *((self.k_proj(x), self.v_proj(x)) if self.dual_kv_input else
+                       (self.a_proj(x), self.b_proj(x))))
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.o_proj.weight.requires_grad)
+        # (ZeRO-3 partitions parameters and gathers them in each submodule's hooks, which the
+        # segments' functional calls bypass: there only the core recomputes, see _core)
+        zero3 = hasattr(self.o_proj.weight, "ds_id")
+        if state is None and start is None and not return_state and self.form == "chunked" and \
+                not zero3 and recomputes(self.core_impl, x.shape[1], wants_grad):
+            o = self._recomputed_core(projected)
+            ssm = None
         else:
-            key, value = conv("a_conv", self.a_proj(x)), conv("b_conv", self.b_proj(x))
-        if self.rope:
-            key = apply_rope(key, rope_offset, self.rope_theta)
-        if self.dual_kv_input:
-            key = feature_map(key)
-        key = only_real(self.k_norm(key) + self.k_bias)
-        value = only_real(self.v_norm(value) + self.v_bias)
-        query = None
-        if self.query_readout:
-            query = conv("q_conv", self.q_proj(x))
-            if self.rope:
-                query = apply_rope(query, rope_offset, self.rope_theta)
-            query = feature_map(query)
-
-        kwargs = dict(readout=self.readout, c_vec=getattr(self, "c_vec", None),
-                      initial_state=state["ssm"] if state else None, output_final_state=True)
-        if x.shape[1] == 1 and state:   # decode: reuse the parameter-only tables across tokens
-            if state.get("tables") is None:
-                state["tables"] = step_tables(*self.core_parameters(), readout=self.readout,
-                                              c_vec=kwargs["c_vec"], dtype=key.dtype)
-            o, ssm = recurrent_interdomain(query, key, value, *self.core_parameters(),
-                                           tables=state["tables"], **kwargs)
-        else:
-            if self.form == "chunked":
-                kwargs["chunk_size"] = self.chunk_size
-            o, ssm = FORMS[self.form](query, key, value, *self.core_parameters(), **kwargs)
+            query, key, value = self._features(*projected, conv_in, conv_out, rope_offset, real)
+            o, ssm = self._core(query, key, value, state, return_state)
         o = o.reshape(*x.shape[:2], -1).to(x.dtype)
         if hasattr(self, "g_proj"):
             o = o * F.silu(self.g_proj(x))
@@ -158,3 +193,45 @@ class InterdomainMixer(nn.Module):
             return y
         return y, {"ssm": ssm, "conv": conv_out, "pos": pos + x.shape[1],
                    "tables": state.get("tables") if state else None}
+
+    def _recomputed_core(self, projected):
+        """Features and core from the projections, segment by segment, keeping only the
+        projections and each segment's entering state for the backward (ops/segments.py):
+        at 16K tokens and 125M width the layer then holds less than causal attention does
+        (benchmarks/mixers.py). Same numbers as _features + _core (tests)."""
+        features = self.feature_parameters()
+        work = torch.float64 if projected[1].dtype == torch.float64 else torch.float32
+        with torch.autocast(device_type=projected[1].device.type, enabled=False):
+            tab = chunk_tables(*self.core_parameters(), readout=self.readout,
+                               c_vec=getattr(self, "c_vec", None), chunk_size=self.chunk_size, dtype=work)
+        names, n_features = tuple(tab), len(features)
+        core = core_step(names, self.chunk_size)
+
+        def step(params, window, lo, window_lo, state):
+            query, key, value = self._features(*window, {}, {}, window_lo, None,
+                                               params=dict(zip(features, params[:n_features])))
+            trim = lo - window_lo   # the halo: tokens the convs needed, not outputs of this segment
+            core_in = [None if t is None else t[:, trim:].to(work) for t in (query, key, value)]
+            with torch.autocast(device_type=key.device.type, enabled=False):
+                return core(params[n_features:], core_in, lo, lo, state)
+
+        B, H = projected[1].shape[0], self.log_dt.shape[0]
+        width = 2 * self.head_dim   # P = R + Dv
+        start = projected[1].new_zeros(B, H, 2 * self.state_size, width, dtype=work)
+        out, _ = run_in_segments(step, [*features.values(), *tab.values()], list(projected), start,
+                                 segment_tokens=segment_tokens(self.chunk_size),
+                                 halo=self.conv_kernel - 1)
+        return out
+
+    def _core(self, query, key, value, state, return_state):
+        kwargs = dict(readout=self.readout, c_vec=getattr(self, "c_vec", None),
+                      initial_state=state["ssm"] if state else None, output_final_state=return_state)
+        if key.shape[1] == 1 and state:   # decode: reuse the parameter-only tables across tokens
+            if state.get("tables") is None:
+                state["tables"] = step_tables(*self.core_parameters(), readout=self.readout,
+                                              c_vec=kwargs["c_vec"], dtype=key.dtype)
+            return recurrent_interdomain(query, key, value, *self.core_parameters(),
+                                         tables=state["tables"], **kwargs)
+        if self.form == "chunked":
+            kwargs.update(chunk_size=self.chunk_size, backward=self.core_impl)
+        return FORMS[self.form](query, key, value, *self.core_parameters(), **kwargs)

@@ -7,10 +7,12 @@ tokens. With S the state entering a chunk and i, j positions inside it (0-based)
     p_i      = X^k_i q_i       = lambda^{i+1} (.) (S^k q_i) + sum_{j<=i} (q_i . k_j) D_ij
     o_i      = Re(r_i^T X^v_i) = Re((r_i (.) lambda^{i+1})^T S^v) + sum_{j<=i} Re(r_i . D_ij) v_j
     S_next   = lambda^T (.) S + sum_j lambda^{T-1-j} Bbar (x) z_j
-    with r_i = p_i' G (see recurrent.py) and D_ij = lambda^{i-j} Bbar (a [T, T, M] table per head).
+    with r_i = p_i' G (see recurrent.py) and D_ij = lambda^{i-j} Bbar = K_{i-j}.
 
 Every term is a batched matmul over (batch, head, chunk); only the chunk-to-chunk carry of S is
-sequential (N/T steps of an elementwise update).
+sequential (N/T steps of an elementwise update). The two sums over j are matmuls with the lag
+kernel K [T, 2M] once the [T, T] scores are indexed by lag instead of by j (`lag_to_position`):
+no [T, T, M] table is formed, and K's gradient is one large matmul too.
 
 Representation: a complex vector over the M modes is stored as one real vector of 2M numbers,
 [re ; im] ("stacked"). A complex product then becomes a single real matmul against a stacked
@@ -20,12 +22,24 @@ fall off the fast path (measured: 2-4x slower on CPU).
 
 Numerical safety [our choice]: the common factorisation lambda^{i-j} = lambda^i lambda^{-j}
 overflows once |lambda|^{-T} is large (Delta = 1 gives e^{32} per 64-token chunk at init, and
-learned A can make it far worse). We never form a negative power: D_ij is tabulated directly
-from the exponent i - j >= 0 (zero above the diagonal), so large Delta only makes entries
-underflow towards 0, which is the right answer. All decay tables depend on parameters only
-(not on the batch), so they are computed in float64 and cast to the working precision: phases
-n * Delta * Im(A) reach 1e5 radians and would lose ~1e-3 in float32.
+learned A can make it far worse). We never form a negative power: D_ij = K_{i-j} comes from
+the lag kernel K_l = lambda^l Bbar, l >= 0, applied to scores re-indexed by lag
+(`lag_to_position`), so large Delta only makes entries underflow towards 0, which is the right
+answer. All decay tables depend on parameters only (not on the batch), so they are computed
+in float64 and cast to the working precision: phases n * Delta * Im(A) reach 1e5 radians and
+would lose ~1e-3 in float32.
 The core runs in float32 even under bf16 autocast.
+
+Two ways to differentiate the same forward (`backward=`, config model.core_impl):
+- "autograd": all chunks at once, autograd keeps every intra-chunk tensor (p, r, scores and
+  their lag forms: ~3.6 GB at 16K tokens for one 125M-width layer).
+- "recompute": the sequence runs in segments of SEGMENT_CHUNKS chunks through
+  ops/segments.run_in_segments, which keeps only the inputs and the state entering each
+  segment and, in the backward, recomputes one segment at a time and carries the state
+  gradient backwards (flash-linear-attention's chunk-kernel structure with segments of several
+  chunks, so every op stays a batched matmul). The mixer runs its feature maps, convs and norms
+  inside the same segments (model/mixers/interdomain.py), so a layer keeps its projections and
+  little else. "auto": recompute from RECOMPUTE_FROM_TOKENS tokens on, when a gradient is wanted.
 
 Shapes: q, k [B, N, H, R] (q None for the linear contraction readout), v [B, N, H, Dv];
 states (in and out) [B, H, M, R + Dv] complex, as in the other forms.
@@ -34,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from ..segments import run_in_segments
 from .ssm import complex_dtype_for, contraction_vector, discretize, readout_gram, readout_scale
 
 
@@ -72,28 +87,52 @@ def complex_matrix(G: torch.Tensor, conj_in: bool = False, conj_out: bool = Fals
     return mat
 
 
-def decay_tables(log_dt, a_log, a_im, chunk_size: int, dtype: torch.dtype):
-    """Parameter-only tables for one chunk (T = chunk_size), exact to the working precision.
+def chunk_tables(log_dt, a_log, a_im, c_re, c_im, *, readout, c_vec, chunk_size: int,
+                 dtype: torch.dtype) -> dict:
+    """Parameter-only tables for one chunk (T = chunk_size), exact to the working precision,
+    all real and differentiable (the recomputing backward passes them through as inputs).
 
-    pow_in   [H, T, M]  complex  lambda^{i+1}           (entering state -> position i)
-    pow_re, pow_im [H, T, M] real  its real and imaginary parts, contiguous
-    add_in   [H, 2M, T] real     stack(lambda^{T-1-j} Bbar) over modes (input j -> chunk end)
-    lam_T    [H, M]     complex  lambda^T
-    decay    [H, T, T, 2M] real  stack(lambda^{i-j} Bbar) for j <= i, else 0
-    log_lam, bbar [H, M] complex128, for a partial last chunk.
+    lag      [H, T, 2M]     stack(lambda^l Bbar) for lags l = 0..T-1 (input at j -> position j+l)
+    add_in   [H, 2M, T]     stack(lambda^{T-1-j} Bbar) over modes (input j -> chunk end)
+    lam_re, lam_im [H, M, 1] lambda^T                (carry of the state across one chunk)
+    pow_re, pow_im [H, T, M] lambda^{i+1}            (entering state -> position i)
+    query readout:        gram [H, 2M, 2M], the real form of r_c = conj(p' G)
+    contraction readout:  entering [H, T, 2M] (state -> output at i), kernel [H, T, T] (S4D's)
     """
     cdt = complex_dtype_for(dtype)
     log_lam, bbar = discretize(log_dt.double(), a_log.double(), a_im.double())
     n = torch.arange(chunk_size + 1, dtype=torch.float64, device=log_lam.device)
     powers = torch.exp(n[None, :, None] * log_lam[:, None, :])          # lambda^0..lambda^T
-    lag_kernel = stack(powers[:, :chunk_size] * bbar[:, None, :]).to(dtype)  # [H, T(lag), 2M]
-    i = torch.arange(chunk_size, device=log_lam.device)
-    lag = i[:, None] - i[None, :]
-    decay = lag_kernel[:, lag.clamp(min=0)] * (lag >= 0).to(dtype)[None, :, :, None]
+    lag = stack(powers[:, :chunk_size] * bbar[:, None, :]).to(dtype)    # [H, T, 2M]
     pow_in = powers[:, 1:].to(cdt)
-    return dict(pow_in=pow_in, pow_re=pow_in.real.contiguous(), pow_im=pow_in.imag.contiguous(),
-                add_in=lag_kernel.flip(1).transpose(1, 2).contiguous(), lam_T=powers[:, -1].to(cdt),
-                decay=decay, log_lam=log_lam, bbar=bbar)
+    lam_T = powers[:, -1].to(cdt)
+    tab = dict(lag=lag, add_in=lag.flip(1).transpose(1, 2).contiguous(),
+               lam_re=lam_T.real[..., None].contiguous(), lam_im=lam_T.imag[..., None].contiguous(),
+               pow_re=pow_in.real.contiguous(), pow_im=pow_in.imag.contiguous())
+    if c_vec is None:
+        gram = readout_gram(c_re.double(), c_im.double(), readout).to(cdt)   # [H, M, M]
+        tab["gram"] = complex_matrix(gram, conj_in=readout == "hermitian", conj_out=True)
+    else:
+        e = contraction_vector(c_re.double(), c_im.double(), c_vec.double()).to(cdt)
+        tab["entering"] = conj_stacked(stack(e[:, None, :] * pow_in))
+        kernel_by_lag = (lag @ conj_stacked(stack(e))[..., None])[..., 0]   # [H, T]: S4D's kernel
+        tab["kernel"] = lag_to_position(kernel_by_lag[:, None, :].expand(-1, chunk_size, -1))
+    return tab
+
+
+def lag_to_position(x: torch.Tensor) -> torch.Tensor:
+    """[..., T, T] indexed (i, a) -> (i, i - a), zero where a > i. The map is its own inverse on
+    the lower triangle, so it turns scores s_ij into s_i,lag and lag weights back into W_ij.
+
+    It is why no [T, T, M] decay table exists: sum_j s_ij lambda^{i-j} Bbar = sum_l s_i,l K_l is
+    one matmul of the lag-indexed scores with the lag kernel K (and W_ij = Re(r_i . K_{i-j}) is
+    r @ K^T read back by lag), so every contraction is a large matmul over (chunk, position)
+    instead of T^2 tiny ones, and the kernel's gradient is one matmul too."""
+    T = x.shape[-1]
+    i = torch.arange(T, device=x.device)
+    index = torch.where(i[None, :] <= i[:, None], i[:, None] - i[None, :], T)   # T: the zero column
+    padded = torch.nn.functional.pad(x, (0, 1))
+    return padded.gather(-1, index.expand(*x.shape[:-1], T))
 
 
 def _to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -109,67 +148,117 @@ def _from_chunks(x: torch.Tensor, N: int) -> torch.Tensor:
     return x.permute(0, 2, 3, 1, 4).reshape(B, n * T, H, D)[:, :N]
 
 
-def _carry(added: torch.Tensor, lam_T: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """States entering each chunk, [B, H, n, 2M, P], from each chunk's own contribution
-    `added` [B, H, n, 2M, P] and the state before the first chunk [B, H, 2M, P]."""
-    lr, li = lam_T.real[..., None], lam_T.imag[..., None]        # [H, M, 1]
+def _rotate(state: torch.Tensor, w_re: torch.Tensor, w_im: torch.Tensor) -> torch.Tensor:
+    """Complex elementwise product along the stacked mode dim (-2) of a state [.., 2M, P]."""
+    re, im = state.chunk(2, dim=-2)
+    return torch.cat([w_re * re - w_im * im, w_im * re + w_re * im], dim=-2)
+
+
+def _carry(added: torch.Tensor, tab: dict, state: torch.Tensor):
+    """States entering each chunk, [B, H, c, 2M, P], and the state after the last chunk, from
+    each chunk's own contribution `added` [B, H, c, 2M, P] and the state before the first."""
     entering = []
     for chunk_added in added.unbind(dim=2):   # unbind: one backward op, not one per chunk
         entering.append(state)
-        re, im = state.chunk(2, dim=-2)
-        state = torch.cat([lr * re - li * im, li * re + lr * im], dim=-2) + chunk_added
-    return torch.stack(entering, dim=2)
+        state = _rotate(state, tab["lam_re"], tab["lam_im"]) + chunk_added
+    return torch.stack(entering, dim=2), state
+
+
+def _segment(tab: dict, qc, kc, vc, start, *, valid=None):
+    """One run of consecutive chunks: qc, kc [B, H, c, T, R] (qc None for the contraction
+    readout), vc [B, H, c, T, Dv], start [B, H, 2M, P] (stacked) the state before them.
+    Returns (out [B, H, c, T, Dv or P], the stacked state after them). `valid` < T: only the
+    first `valid` tokens of the last chunk are real; the returned state is then exact (the
+    carry over the zero padding would have decayed it)."""
+    R, M = kc.shape[-1], tab["pow_re"].shape[-1]
+    z = torch.cat([kc, vc], dim=-1)                                         # [B, H, c, T, P]
+    added = tab["add_in"][:, None] @ z                                      # [B, H, c, 2M, P]
+    entering, end = _carry(added, tab, start)                               # [B, H, c, 2M, P]
+    if qc is None:
+        out = tab["entering"][:, None] @ entering + tab["kernel"][:, None] @ z
+    else:
+        B, H, c, T, _ = kc.shape
+        S_k, S_v = entering.split([R, z.shape[-1] - R], dim=-1)   # split: no zero-filled grads
+        w_re, w_im = tab["pow_re"][:, None], tab["pow_im"][:, None]         # [H, 1, T, M]
+        p = mul_stacked(qc @ S_k.transpose(-1, -2), w_re, w_im)            # from entering state
+        scores = lag_to_position(qc @ kc.transpose(-1, -2))                 # [B, H, c, T, T(lag)]
+        p = p + (scores.view(B, H, c * T, T) @ tab["lag"]).view(p.shape)   # within the chunk
+        # r_c = conj(r) with r = p' G (p' = conj(p) for the hermitian readout), stacked
+        r_c = p.view(B, H, c * T, 2 * M) @ tab["gram"]                      # [B, H, cT, 2M]
+        # Re(W_ij) = Re(r_i . lambda^{i-j} Bbar), computed by lag and read back by position
+        weights = lag_to_position((r_c @ tab["lag"].transpose(-1, -2)).view(B, H, c, T, T))
+        # Re((r . lambda^{i+1})^T S^v): [conj(r lambda)] . [S_re ; S_im] along the modes
+        out = mul_stacked(r_c.view(p.shape), w_re, -w_im) @ S_v
+        out = (out + weights @ vc) * readout_scale(M)
+    if valid is not None and valid < kc.shape[-2]:
+        T = kc.shape[-2]
+        w_re, w_im = (tab[k][:, valid - 1, :, None] for k in ("pow_re", "pow_im"))   # lambda^valid
+        end = _rotate(entering[:, :, -1], w_re, w_im) + \
+            tab["add_in"][..., T - valid:] @ z[:, :, -1, :valid]
+    return out, end
+
+
+def core_step(names: tuple, chunk_size: int):
+    """The chunked core as a `run_in_segments` step (ops/segments.py): params are the chunk
+    tables (in `names` order), the window is (q, k, v) token-major, the state is stacked."""
+    def step(params, window, lo, window_lo, state):
+        q, k, v = window
+        dtype = k.dtype
+        chunks = [None if x is None else _to_chunks(x, chunk_size, dtype) for x in (q, k, v)]
+        valid = k.shape[1] - (chunks[1].shape[2] - 1) * chunk_size   # exact state after the last token
+        out, end = _segment(dict(zip(names, params)), *chunks, state, valid=valid)
+        return _from_chunks(out, k.shape[1]), end
+    return step
+
+
+# [our choice, measured with benchmarks/core_memory.py on 2 CPU cores, 125M width]: the
+# recomputing backward costs one more forward. Against the layer before it existed it took
+# 1.35x / 1.13x / 1.07-1.19x / 1.04x the time at 2K / 4K / 8K / 16K tokens (large tensors are
+# memory-bound, one segment stays in cache), so "auto" recomputes from 16K tokens per sequence,
+# where it is within 10%; below, model.core_impl=recompute trades that time for 1/4 the memory.
+RECOMPUTE_FROM_TOKENS = 16384
+SEGMENT_CHUNKS = 4   # 256 tokens per segment at T = 64: 4 and 8 measured alike, 16 slower
+def segment_tokens(chunk_size: int) -> int:
+    """Tokens per segment of the recomputing backward (read at call time: tests change it)."""
+    return SEGMENT_CHUNKS * chunk_size
+
+
+def recomputes(backward: str, n_tokens: int, wants_grad: bool) -> bool:
+    """Whether `backward` (auto / autograd / recompute) means the recomputing backward."""
+    if backward == "auto":
+        return wants_grad and n_tokens >= RECOMPUTE_FROM_TOKENS
+    return backward == "recompute"
 
 
 def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian",
-                        c_vec=None, initial_state=None, output_final_state=False, chunk_size=64):
+                        c_vec=None, initial_state=None, output_final_state=False, chunk_size=64,
+                        backward="auto", segment_chunks=None):
+    """backward: "autograd" (all chunks at once, every intermediate kept), "recompute" (memory
+    bounded by one segment of `segment_chunks` chunks) or "auto" (recompute from
+    RECOMPUTE_FROM_TOKENS tokens on, and only when a gradient is needed)."""
+    if backward not in ("auto", "autograd", "recompute"):
+        raise ValueError(f"backward={backward!r}: expected 'auto', 'autograd' or 'recompute'")
     B, N, H, R = k.shape
     M = a_log.shape[-1]
     work = torch.float64 if k.dtype == torch.float64 else torch.float32
     with torch.autocast(device_type=k.device.type, enabled=False):
-        tab = decay_tables(log_dt, a_log, a_im, chunk_size, work)
-        kc, vc = _to_chunks(k, chunk_size, work), _to_chunks(v, chunk_size, work)
-        z = torch.cat([kc, vc], dim=-1)                                     # [B, H, n, T, P]
-
-        # 1. what each chunk adds to the state, all chunks at once; 2. carry across chunks
-        added = tab["add_in"][None, :, None] @ z                           # [B, H, n, 2M, P]
+        tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
+                           chunk_size=chunk_size, dtype=work)
         start = stack(initial_state, dim=-2).to(work) if initial_state is not None else \
-            z.new_zeros(B, H, 2 * M, z.shape[-1])
-        entering = _carry(added, tab["lam_T"], start)                       # [B, H, n, 2M, P]
-
-        pow_in = tab["pow_in"][None, :, None]                               # [1, H, 1, T, M]
-        decay = tab["decay"]                                                # [H, T, T, 2M]
-        if q is None:
-            e = contraction_vector(c_re.double(), c_im.double(), c_vec.double()).to(pow_in.dtype)
-            out = conj_stacked(stack(e[None, :, None, None, :] * pow_in)) @ entering
-            kernel = torch.einsum("hm,hijm->hij", conj_stacked(stack(e)), decay)  # S4D kernel
-            out = out + kernel[None, :, None] @ z
+            k.new_zeros(B, H, 2 * M, R + v.shape[-1], dtype=work)
+        n_chunks = -(-N // chunk_size)
+        valid = N - (n_chunks - 1) * chunk_size if output_final_state else None
+        wants_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, initial_state, *tab.values()))
+        if recomputes(backward, N, wants_grad):
+            names = tuple(tab)
+            out, end = run_in_segments(core_step(names, chunk_size), list(tab.values()),
+                                       [None if x is None else x.to(work) for x in (q, k, v)], start,
+                                       segment_tokens=segment_chunks * chunk_size if segment_chunks
+                                       else segment_tokens(chunk_size))
         else:
-            qc = _to_chunks(q, chunk_size, work)
-            S_k, S_v = entering.split([R, z.shape[-1] - R], dim=-1)   # split: no zero-filled grads
-            w_re, w_im = tab["pow_re"][None, :, None], tab["pow_im"][None, :, None]
-            p = mul_stacked(qc @ S_k.transpose(-1, -2), w_re, w_im)        # from entering state
-            scores = qc @ kc.transpose(-1, -2)                              # [B, H, n, T, T]
-            p = p + torch.einsum("bhcij,hijm->bhcim", scores, decay)        # within the chunk
-            # r_c = conj(r) with r = p' G (p' = conj(p) for the hermitian readout), stacked
-            gram = readout_gram(c_re.double(), c_im.double(), readout).to(pow_in.dtype)  # [H, M, M]
-            gram = complex_matrix(gram, conj_in=readout == "hermitian", conj_out=True)
-            r_c = (p.flatten(2, 3) @ gram).view(p.shape)                    # [B, H, n, T, 2M]
-            # Re((r . lambda^{i+1})^T S^v): [conj(r lambda)] . [S_re ; S_im] along the modes
-            out = mul_stacked(r_c, w_re, -w_im) @ S_v
-            weights = torch.einsum("bhcim,hijm->bhcij", r_c, decay)         # Re(W)
-            out = (out + weights @ vc) * readout_scale(M)
-        out = _from_chunks(out, N)
-
-        if not output_final_state:
-            return out, None
-        n_chunks = z.shape[2]
-        valid = N - (n_chunks - 1) * chunk_size
-        last = unstack(entering[:, :, -1], dim=-2)
-        # the carry ran over zero padding, which would decay the state: redo the last chunk
-        lag = torch.arange(valid - 1, -1, -1, dtype=torch.float64, device=k.device)
-        weights_in = stack(torch.exp(lag[None, :, None] * tab["log_lam"][:, None, :])
-                           * tab["bbar"][:, None, :]).to(work)              # [H, valid, 2M]
-        state = torch.exp(valid * tab["log_lam"]).to(last.dtype)[..., None] * last + \
-            unstack(weights_in.transpose(-1, -2)[None] @ z[:, :, -1, :valid], dim=-2)
-        return out, state
+            kc, vc = _to_chunks(k, chunk_size, work), _to_chunks(v, chunk_size, work)
+            qc = None if q is None else _to_chunks(q, chunk_size, work)
+            out, end = _segment(tab, qc, kc, vc, start, valid=valid)
+            out = _from_chunks(out, N)
+        return out, (unstack(end, dim=-2) if output_final_state else None)
