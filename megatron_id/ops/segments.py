@@ -34,14 +34,16 @@ class _SegmentedRecompute(torch.autograd.Function):
         step, n_params, n_tokens, segment_tokens, halo = spec
         params, inputs = tensors[:n_params], tensors[n_params:]
         bounds = [(lo, min(lo + segment_tokens, n_tokens)) for lo in range(0, n_tokens, segment_tokens)]
+        # a single segment keeps its graph from here: there is nothing to bound, nothing to redo
+        ctx.keep_graph = len(bounds) == 1
         out, starts = None, []
-        for index, (lo, hi) in enumerate(bounds):
+        for lo, hi in bounds:
             starts.append(state)
             window_lo = max(0, lo - halo)
             window = [None if x is None else x[:, window_lo:hi] for x in inputs]
-            if len(bounds) > 1:
+            if not ctx.keep_graph:
                 part, state = step(params, window, lo, window_lo, state)
-            else:   # a single segment: keep its graph, there is nothing to bound
+            else:
                 with torch.enable_grad():
                     leaves = _leaves(params, window, state)
                     part, end = step(leaves[0], leaves[1], lo, window_lo, leaves[2])
@@ -61,7 +63,7 @@ class _SegmentedRecompute(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_end):
-        step, n_params, n_tokens, segment_tokens, halo = ctx.spec
+        step, n_params, _, _, halo = ctx.spec
         saved = list(ctx.saved_tensors)
         params = saved[:n_params]
         present = iter(saved[n_params:])
@@ -73,7 +75,7 @@ class _SegmentedRecompute(torch.autograd.Function):
         for index in reversed(range(len(ctx.bounds))):
             lo, hi = ctx.bounds[index]
             window_lo = max(0, lo - halo)
-            if len(ctx.bounds) == 1:
+            if ctx.keep_graph:
                 leaves, part, end = ctx.last
                 del ctx.last
             else:

@@ -198,7 +198,7 @@ class InterdomainMixer(nn.Module):
         """Features and core from the projections, segment by segment, keeping only the
         projections and each segment's entering state for the backward (ops/segments.py):
         at 16K tokens and 125M width the layer then holds less than causal attention does
-        (benchmarks/mixers.py). Same numbers as _features + _core (tests)."""
+        (benchmarks/core_memory.py). Same numbers as _features + _core (tests)."""
         features = self.feature_parameters()
         work = torch.float64 if projected[1].dtype == torch.float64 else torch.float32
         with torch.autocast(device_type=projected[1].device.type, enabled=False):

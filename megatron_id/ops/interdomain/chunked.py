@@ -218,6 +218,8 @@ def core_step(names: tuple, chunk_size: int):
 # where it is within 10%; below, model.core_impl=recompute trades that time for 1/4 the memory.
 RECOMPUTE_FROM_TOKENS = 16384
 SEGMENT_CHUNKS = 4   # 256 tokens per segment at T = 64: 4 and 8 measured alike, 16 slower
+
+
 def segment_tokens(chunk_size: int) -> int:
     """Tokens per segment of the recomputing backward (read at call time: tests change it)."""
     return SEGMENT_CHUNKS * chunk_size
