@@ -35,8 +35,11 @@ setup(
         "eval": ["lm_eval>=0.4.13,<0.5"],
         # preprocessing extras: the tiktoken encoder (--tokenizer-backend tiktoken) and NeoX's --ftfy
         "preprocess": ["tiktoken>=0.7", "ftfy>=6"],
+        # the fused chunked core for CUDA (model.core_impl=auto|triton; tl.gather needs >= 3.3);
+        # tests run its kernels on the CPU under TRITON_INTERPRET=1 (tested with 3.9.0)
+        "triton": ["triton>=3.3,<4"],
         "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval==0.4.13",
-                 "tiktoken>=0.7", "ftfy>=6"],
+                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4"],
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },

@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from allocator import ALLOCATOR_ENV  # noqa: E402  (benchmarks/allocator.py, beside this file)
 
-LAYER_KINDS = ["interdomain", "s4d", "softmax", "naive"]   # naive = interdomain layer, naive form
+# interdomain = the layer as configured (model.core_impl=auto); recompute / autograd / triton =
+# the same layer with that core_impl forced (triton: CUDA only); naive = the naive form
+LAYER_KINDS = ["interdomain", "recompute", "s4d", "softmax", "naive"]
+CORE_IMPL_KINDS = ("recompute", "autograd", "triton")
 
 
 def _rss_bytes() -> int:
@@ -37,6 +40,8 @@ def _rss_bytes() -> int:
 
 def _config(kind: str, device):
     from megatron_id.config import load_config
+    if kind in CORE_IMPL_KINDS:
+        return load_config([ROOT / "configs/model/125m.yaml"], [f"model.core_impl={kind}"]).model
     mixer = "interdomain" if kind in ("naive", "core_chunked", "core_naive") else kind
     return load_config([ROOT / "configs/model/125m.yaml"], [f"model.mixer={mixer}"]).model
 
@@ -162,6 +167,8 @@ def main():
     import torch
     from megatron_id.model.accounting import mixer_forward_flops_per_token
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":   # the fused kernel and the PyTorch form it replaces, side by side
+        LAYER_KINDS[1:1] = ["autograd", "triton"]
     lengths = [int(x) for x in args.lengths.split(",")]
     decode_lengths = [int(x) for x in args.decode.split(",")]
     print(f"# mixer layer benchmark, 125M width (d=768, H=12, M=64, chunk 64), batch 1, {device}, "

@@ -37,9 +37,10 @@ class Readout(str, Enum):
 
 class CoreImpl(str, Enum):
     """How the interdomain / S4D core is computed in training (ops/interdomain/chunked.py)."""
-    auto = "auto"             # recompute from 16K tokens per sequence on (RECOMPUTE_FROM_TOKENS)
+    auto = "auto"             # triton on CUDA when installed; else recompute from 16K tokens on
     autograd = "autograd"     # chunked, autograd keeps every intra-chunk tensor
     recompute = "recompute"   # chunked, backward recomputes segment by segment (bounded memory)
+    triton = "triton"         # the fused Triton kernels (ops/interdomain/triton_chunked.py), forced
 
 
 @dataclass
@@ -80,10 +81,13 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Megatron's names. Data parallelism is what is left: world = TP x PP x DP."""
+    """Megatron's names. Data parallelism is what is left: world = TP x CP x PP x DP."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    # one sequence split into this many contiguous blocks, one per rank (parallel/context_parallel.py;
+    # Megatron's --context-parallel-size); model.seq_length must divide by it
+    context_parallel_size: int = 1
 
 
 class Precision(str, Enum):
@@ -98,6 +102,11 @@ class DataConfig:
     split: str = "969,30,1"
     index_cache_dir: Optional[str] = None   # None: <folder of the first prefix>/index-cache
     tokenizer: Optional[str] = None          # the data's tokenizer.json: recorded in checkpoints for export
+    # packed documents, Megatron's switches and meanings (training/documents.py); all off, as there
+    reset_attention_mask: bool = False       # no token reads another document (state, convs, attention)
+    reset_position_ids: bool = False         # RoPE positions restart in every document
+    eod_mask_loss: bool = False              # no loss for the token after an end-of-document token
+    eod_token_id: Optional[int] = None       # None: the data's own (its .meta.json sidecar)
 
 
 @dataclass
@@ -122,6 +131,19 @@ class TrainConfig:
     precision: Precision = Precision.bf16
     zero_stage: int = 1               # 0-3; 2 and 3 with pipeline parallel size 1 only (parallel/layout.py)
     activation_checkpointing: bool = False
+    # the LM head and the vocab-parallel loss fused and chunked over tokens, so a micro-batch's
+    # [tokens, vocabulary] logits never exist (parallel/fused_cross_entropy.py; Liger-Kernel's
+    # fused linear cross entropy); not with train.zero_stage=3 [our choice: off until timed on a
+    # GPU. On this CPU (4K tokens, d 768, GPT-2 vocabulary) the head's peak memory falls 15x
+    # (fp32) / 8x (bf16) at the same speed (fp32 14.5 vs 14.1 s, bf16 7.5 vs 8.2 s: within the
+    # noise of a shared machine); off keeps ZeRO-3 and every existing run's numbers unchanged]
+    fused_lm_head_loss: bool = False
+    # run the model under torch.compile (inductor; module compiled in place, so checkpoint keys
+    # do not change; training/compilation.py) [our choice: off: the first step waits for the
+    # compilation (1-2.5 min on a 2-core CPU for the tiny and 22M models), losses match eager
+    # only to float rounding, and on that CPU it gained 0-14% (benchmarks/training.py --compile)
+    # but lost ~20% while other processes shared the cores]
+    compile: bool = False
     log_interval: int = 10
     eval_interval: int = 1000
     eval_iters: int = 10

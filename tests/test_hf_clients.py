@@ -85,6 +85,20 @@ def test_padded_batches_compute_what_each_row_computes_alone(exports, mixer):
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
+def test_padded_batch_loss_is_the_token_weighted_mean_of_each_rows_own_loss(exports, mixer):
+    """labels=input_ids with an attention mask (pads neither targets nor predictors), left and
+    right padded: the batch's loss equals sum over rows of (own loss x own targets) / targets."""
+    model = load(exports[mixer]).double()
+    with torch.no_grad():
+        own = [(model(torch.tensor([p]), labels=torch.tensor([p])).loss.item(), len(p) - 1) for p in PROMPTS]
+        want = sum(loss * n for loss, n in own) / sum(n for _, n in own)
+        for side in ("left", "right"):
+            ids, mask = pad(PROMPTS, side)
+            got = model(ids, attention_mask=mask, labels=ids).loss.item()
+            assert abs(got - want) < 1e-6 * abs(want), (side, got, want)   # the loss runs in float32
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
 def test_batched_generation_with_left_padding_equals_one_at_a_time(exports, mixer):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(exports[mixer], trust_remote_code=True)

@@ -48,6 +48,8 @@ def form_options(form, chunk_size):
         return "chunked", dict(chunk_size=chunk_size, backward="autograd")
     if form == "recompute":
         return "chunked", dict(chunk_size=chunk_size, backward="recompute", segment_chunks=2)
+    if form == "triton":   # tests/test_triton_core.py, under TRITON_INTERPRET=1
+        return "chunked", dict(chunk_size=chunk_size, backward="triton")
     return form, {}
 
 
@@ -61,7 +63,7 @@ def run_form(form, tensors, state, readout, chunk_size):
     weight = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
     w_state = torch.randn(final.shape, generator=g, dtype=torch.complex128).to(final.dtype)
     loss = (out * weight).sum() + (final * w_state).real.sum()
-    names = [n for n, t in tensors.items() if t is not None]
+    names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
     grads = torch.autograd.grad(loss, [tensors[n] for n in names])
     return out, final, dict(zip(names, grads))
 

@@ -157,7 +157,10 @@ class ClientState:
     data: dict | None = None
 
     def model_config(self) -> ModelConfig:
-        return model_config_from_dict(self.model)
+        """The model as saved, for readers (eval, generate, export, conversion). core_impl is
+        how the run computed its core, not part of the model: readers get `auto`, so that a
+        checkpoint trained with core_impl=triton on GPUs evaluates and exports on a CPU."""
+        return model_config_from_dict({**self.model, "core_impl": "auto"})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -191,12 +194,16 @@ def model_config_from_dict(values: dict) -> ModelConfig:
 
 
 def layout_record(layout, zero_stage: int) -> dict:
-    return {"tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data, "zero_stage": zero_stage}
+    """"data" is DeepSpeed's data-parallel size, over which ZeRO partitions: DP x CP under context
+    parallelism (its CP ranks hold the same weights, like DP replicas); "context" is CP."""
+    return {"tensor": layout.tensor, "pipe": layout.pipe, "data": getattr(layout, "gradient_replicas", layout.data),
+            "zero_stage": zero_stage, "context": getattr(layout, "context", 1)}
 
 
 def describe(record: dict) -> str:
-    return (f"TP={record['tensor']}, PP={record['pipe']}, DP={record['data']}, "
-            f"ZeRO-{record['zero_stage']}")
+    context = record.get("context", 1)
+    data = (f"DP={record['data'] // context} x CP={context}" if context > 1 else f"DP={record['data']}")
+    return f"TP={record['tensor']}, PP={record['pipe']}, {data}, ZeRO-{record['zero_stage']}"
 
 
 # RNG states as tensors and ints, so the files load with weights_only=True.

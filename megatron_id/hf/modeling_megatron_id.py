@@ -245,8 +245,15 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None and logits.shape[1] != length:
             raise ValueError("labels need the logits of every position: leave logits_to_keep at 0.")
         if labels is not None:   # labels are the inputs (shifted here), -100 ignored: HF's convention
+            targets = labels[:, 1:]
+            if attention_mask is not None:
+                # a padded position is no target, and predicts none: the first real token of a
+                # left-padded row has no prediction, as when the row runs alone. So a padded
+                # batch's loss is the token-weighted mean of its rows' own losses
+                real = attention_mask[:, -length:].bool()
+                targets = targets.masked_fill(~(real[:, 1:] & real[:, :-1]), -100)
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+                                   targets.reshape(-1), ignore_index=-100)
         hidden_states = None
         if output_hidden_states:   # per layer, the chunks joined along the sequence
             hidden_states = tuple(torch.cat(layer, dim=1) for layer in zip(*hidden))

@@ -46,8 +46,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, ffn_hidden_size(cfg), cfg.init_std, residual_std)
 
-    def forward(self, h, state=None, return_state=False, start=None):
-        kwargs = {} if start is None else {"start": start}   # (start: left padding, see the mixers)
+    def forward(self, h, state=None, return_state=False, start=None, seq_idx=None, position_ids=None):
+        # start: left padding; seq_idx, position_ids: packed documents (see the mixers)
+        kwargs = {name: value for name, value in
+                  (("start", start), ("seq_idx", seq_idx), ("position_ids", position_ids)) if value is not None}
         out = self.mixer(self.mixer_norm(h), state=state, return_state=return_state, **kwargs)
         mixed, state = out if return_state else (out, None)
         h = h + mixed
@@ -79,22 +81,28 @@ class LanguageModel(nn.Module):
             initialize(self, seed)
 
     def forward(self, tokens, states=None, return_states=False, *, embeddings=None, start=None,
-                hidden_states: list | None = None):
-        """tokens [B, N] -> logits [B, N, V]. `states` (one per layer, from an earlier call with
+                hidden_states: list | None = None, seq_idx=None, position_ids=None, return_hidden=False):
+        """tokens [B, N] -> logits [B, N, V] (return_hidden=True: the final hidden states
+        [B, N, d] after the final norm instead, for a loss that applies lm_head itself:
+        parallel/fused_cross_entropy.py). `states` (one per layer, from an earlier call with
         return_states=True) continue a prefix: prefill and decode use the same call.
         For clients such as the Hugging Face model: `embeddings` [B, N, d] replace embed(tokens);
         `start` [B] marks left padding (each row's first real position, counted from the start
         of the sequence the states hold); `hidden_states`, a list, receives the embeddings and
-        each layer's output (the last one after the final norm, as Hugging Face models do)."""
+        each layer's output (the last one after the final norm, as Hugging Face models do).
+        Packed documents (data.reset_attention_mask / reset_position_ids, training/documents.py):
+        `seq_idx` [B, N] a document index per token, `position_ids` [B, N] RoPE's positions."""
         h = self.embed(tokens) if embeddings is None else embeddings
         if hidden_states is not None:
             hidden_states.append(h)
         new_states = []
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and self.training and torch.is_grad_enabled() and not return_states:
-                h = torch.utils.checkpoint.checkpoint(layer, h, None, False, start, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, None, False, start, seq_idx, position_ids,
+                                                      use_reentrant=False)
             else:
-                out = layer(h, state=states[i] if states else None, return_state=return_states, start=start)
+                out = layer(h, state=states[i] if states else None, return_state=return_states, start=start,
+                            seq_idx=seq_idx, position_ids=position_ids)
                 h = out[0] if return_states else out
                 if return_states:
                     new_states.append(out[1])
@@ -103,8 +111,8 @@ class LanguageModel(nn.Module):
         h = self.norm(h)
         if hidden_states is not None:
             hidden_states[-1] = h
-        logits = self.lm_head(h)
-        return (logits, new_states) if return_states else logits
+        out = h if return_hidden else self.lm_head(h)
+        return (out, new_states) if return_states else out
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

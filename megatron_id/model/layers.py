@@ -85,7 +85,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, offset, theta: float) -> torch.Tensor:
     """Rotary embedding on [B, N, H, D] at positions offset..offset+N-1; `offset` is an int, or
-    a [B] tensor of per-row offsets (left-padded rows count positions from their first token).
+    a [B] tensor of per-row offsets (left-padded rows count positions from their first token),
+    or a [B, N] tensor of the positions themselves (Megatron's position_ids: packed documents
+    that restart their positions, data.reset_position_ids).
 
     Half-split layout (pairs i and i + D/2, "rotate_half"), as in GPT-NeoX and HF Llama, so
     exported weights need no permutation. Angles are computed per call: no table, no length cap.
@@ -94,7 +96,8 @@ def apply_rope(x: torch.Tensor, offset, theta: float) -> torch.Tensor:
     dtype = compute_dtype(x)
     inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)
     if isinstance(offset, torch.Tensor):
-        pos = offset.to(x.device, dtype)[:, None] + torch.arange(N, device=x.device, dtype=dtype)
+        pos = offset.to(x.device, dtype)
+        pos = pos if pos.dim() == 2 else pos[:, None] + torch.arange(N, device=x.device, dtype=dtype)
         angles = pos[..., None] * inv_freq                    # [B, N, D/2]
         cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     else:
@@ -139,18 +142,28 @@ class ShortConv(nn.Module):
         bound = 1 / math.sqrt(self.kernel)   # PyTorch's default Conv1d bound for fan_in = K
         return (torch.rand(shape, generator=generator) * 2 - 1) * bound
 
-    def forward(self, x, state=None):
-        return short_conv(x, self.weight, self.bias, state)
+    def forward(self, x, state=None, starts=None):
+        return short_conv(x, self.weight, self.bias, state, starts)
 
 
-def short_conv(x, weight, bias, state=None):
+def short_conv(x, weight, bias, state=None, starts=None):
     """ShortConv's function with explicit weights [C, 1, K] and bias [C] (recomputing backwards
-    call it with their own leaves). Returns (y [B, N, C], the last K-1 inputs [B, C, K-1])."""
+    call it with their own leaves). Returns (y [B, N, C], the last K-1 inputs [B, C, K-1]).
+    starts [B, N] bool (packed documents, ops/interdomain/ssm.document_starts): no tap reaches
+    back across a document start; the `state` inputs count as the first token's document."""
     B, N, C = x.shape
     K = weight.shape[-1]
     xt = x.transpose(1, 2)
     if state is None:
         state = xt.new_zeros(B, C, K - 1)
     xp = torch.cat([state.to(xt.dtype), xt], dim=-1)
-    y = F.conv1d(xp, weight.to(xt.dtype), bias.to(xt.dtype), groups=C)
+    if starts is None:
+        y = F.conv1d(xp, weight.to(xt.dtype), bias.to(xt.dtype), groups=C)
+    else:   # tap j reads xp[t + j], K-1-j tokens back: keep it where no start lies in between
+        document = F.pad(starts.long().cumsum(-1), (K - 1, 0))           # [B, N + K - 1]
+        w = weight.to(xt.dtype)[:, 0]                                    # [C, K]
+        y = bias.to(xt.dtype)[:, None]
+        for j in range(K):
+            same = (document[:, j:j + N] == document[:, K - 1:]).to(xt.dtype)[:, None, :]
+            y = y + w[:, j, None] * xp[..., j:j + N] * same
     return y.transpose(1, 2), xp[..., xp.shape[-1] - (K - 1):]

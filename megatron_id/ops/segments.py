@@ -69,7 +69,7 @@ class _SegmentedRecompute(torch.autograd.Function):
         present = iter(saved[n_params:])
         inputs = [None if none else next(present) for none in ctx.none_inputs]
         starts = saved[n_params + sum(not none for none in ctx.none_inputs):]
-        grad_inputs = [None if x is None else torch.zeros_like(x) for x in inputs]
+        grad_inputs = [torch.zeros_like(x) if _differentiable(x) else None for x in inputs]
         grad_params = [None] * n_params
         grad_state = grad_end
         for index in reversed(range(len(ctx.bounds))):
@@ -84,7 +84,7 @@ class _SegmentedRecompute(torch.autograd.Function):
                     leaves = _leaves(params, window, starts[index])
                     part, end = step(leaves[0], leaves[1], lo, window_lo, leaves[2])
             leaf_params, leaf_window, leaf_state = leaves
-            wrt = [leaf_state, *leaf_params, *[x for x in leaf_window if x is not None]]
+            wrt = [leaf_state, *leaf_params, *[x for x in leaf_window if _differentiable(x)]]
             got = torch.autograd.grad((part, end), wrt, (grad_out[:, lo:hi], grad_state), allow_unused=True)
             del part, end, leaves
             grad_state = got[0]
@@ -93,16 +93,22 @@ class _SegmentedRecompute(torch.autograd.Function):
                     grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
             window_grads = iter(got[1 + n_params:])
             for i, x in enumerate(inputs):
-                if x is not None:
+                if _differentiable(x):
                     g = next(window_grads)
                     if g is not None:   # halo tokens overlap the segment before: add, not copy
                         grad_inputs[i][:, window_lo:hi] += g
         return (None, grad_state, *grad_params, *grad_inputs)
 
 
+def _differentiable(x) -> bool:
+    """Inputs that get a gradient: float tensors (integer / bool inputs such as document
+    boundaries travel with the segments as constants)."""
+    return x is not None and x.is_floating_point()
+
+
 def _leaves(params, window, state):
     """Detached tensors (no data copied) that a recomputation differentiates against."""
-    leaf = lambda x: None if x is None else x.detach().requires_grad_()
+    leaf = lambda x: x.detach().requires_grad_() if _differentiable(x) else x
     return [leaf(p) for p in params], [leaf(x) for x in window], leaf(state)
 
 

@@ -26,15 +26,23 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model import LanguageModel
+from ..training.documents import masked_mean
+from .fused_cross_entropy import lm_head_loss
 from .layers import vocab_parallel_cross_entropy
 from .tensor_parallel import materialise, parallelize
 
 class EmbeddingStage(nn.Module):
+    """Packed documents (training/documents.py) arrive as (tokens, seq_idx, position_ids); the
+    two index tensors then travel with the hidden states to every block stage."""
+
     def __init__(self, model: LanguageModel, seed: int | None, device):
         super().__init__()
         self.embed = materialise(model.embed, "embed", seed, device)
 
     def forward(self, tokens):
+        if isinstance(tokens, tuple):
+            tokens, *documents = tokens
+            return (self.embed(tokens), *documents)
         return self.embed(tokens)
 
 
@@ -52,13 +60,23 @@ class TiedEmbeddingStage(EmbeddingStage):
     def logits(stage: "TiedEmbeddingStage", h):
         return stage.lm_head(h)
 
+    @staticmethod
+    def hidden(stage: "TiedEmbeddingStage", h):   # the fused loss applies the head itself
+        return h
+
 
 class BlockStage(nn.Module):
-    def __init__(self, model: LanguageModel, index: int, seed: int | None, device):
+    def __init__(self, model: LanguageModel, index: int, seed: int | None, device, documents=None):
         super().__init__()
         self.block = materialise(model.layers[index], f"layers.{index}", seed, device)
+        self.documents = documents   # which of (seq_idx, position_ids) the block uses
 
     def forward(self, h):
+        if isinstance(h, tuple):
+            h, seq_idx, position_ids = h
+            used = dict(seq_idx=seq_idx if self.documents.reset_attention_mask else None,
+                        position_ids=position_ids if self.documents.reset_position_ids else None)
+            return self.block(h, **used), seq_idx, position_ids
         return self.block(h)
 
 
@@ -68,18 +86,20 @@ class FinalNormStage(nn.Module):
         self.norm = materialise(model.norm, "norm", seed, device)
 
     def forward(self, h):
-        return self.norm(h)
+        return self.norm(h[0] if isinstance(h, tuple) else h)
 
 
 class HeadStage(nn.Module):
-    """The LM head; returns vocabulary-sharded logits (the loss runs after it)."""
+    """The LM head; returns vocabulary-sharded logits (the loss runs after it). With the fused
+    loss (train.fused_lm_head_loss) it passes h on and the loss applies the head itself."""
 
-    def __init__(self, model: LanguageModel, seed: int | None, device):
+    def __init__(self, model: LanguageModel, seed: int | None, device, fused_loss: bool = False):
         super().__init__()
         self.lm_head = materialise(model.lm_head, "lm_head", seed, device)
+        self.fused_loss = fused_loss
 
     def forward(self, h):
-        return self.lm_head(h)
+        return h if self.fused_loss else self.lm_head(h)
 
 
 # Pieces: 0 embedding, 1..L blocks, L+1 final norm, L+2 LM head. Checkpoint files and state
@@ -123,10 +143,13 @@ def pipeline_state_dict(full: dict, module, n_layers: int, tied: bool) -> dict:
 
 def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, loss_vocab: int,
                    sequence_parallel: bool = False, activation_checkpointing: bool = False,
-                   device="cpu"):
+                   device="cpu", documents=None, fused_loss: bool = False):
     """The PipelineModule for `cfg` on `topology` (DeepSpeed's PipeModelDataParallelTopology;
     its model axis is `tp_group`). The loss is the vocab-parallel cross entropy over the first
-    `loss_vocab` entries (the padding is masked)."""
+    `loss_vocab` entries (the padding is masked). documents: training/documents.DocumentOptions
+    when packed-document switches are on (the batches then carry the document tensors).
+    fused_loss: the last stage ends with the final hidden states and the loss applies the LM
+    head chunk by chunk (parallel/fused_cross_entropy.py; train.fused_lm_head_loss)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     with torch.device("meta"):
@@ -135,13 +158,20 @@ def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, lo
     if cfg.tie_embeddings:
         first = TiedLayerSpec("embed", TiedEmbeddingStage, meta, seed, device, tied_weight_attr=["embed.weight"])
         last = TiedLayerSpec("embed", TiedEmbeddingStage, meta, seed, device, tied_weight_attr=["embed.weight"],
-                             forward_fn=TiedEmbeddingStage.logits)
+                             forward_fn=TiedEmbeddingStage.hidden if fused_loss else TiedEmbeddingStage.logits)
     else:
-        first, last = LayerSpec(EmbeddingStage, meta, seed, device), LayerSpec(HeadStage, meta, seed, device)
-    specs = [first] + [LayerSpec(BlockStage, meta, i, seed, device) for i in range(cfg.n_layers)]
+        first = LayerSpec(EmbeddingStage, meta, seed, device)
+        last = LayerSpec(HeadStage, meta, seed, device, fused_loss)
+    specs = [first] + [LayerSpec(BlockStage, meta, i, seed, device, documents) for i in range(cfg.n_layers)]
     specs += [LayerSpec(FinalNormStage, meta, seed, device), last]
 
     def loss_fn(logits, labels):
+        if fused_loss:   # `logits` are the final hidden states
+            labels, mask = labels if isinstance(labels, tuple) else (labels, None)
+            return lm_head_loss(last_head(), logits, labels, loss_vocab, mask)
+        if isinstance(labels, tuple):   # packed documents: (labels, loss mask)
+            labels, mask = labels
+            return masked_mean(vocab_parallel_cross_entropy(logits, labels, tp_group, loss_vocab), mask)
         return vocab_parallel_cross_entropy(logits, labels, tp_group, loss_vocab).mean()
 
     module = PipelineModule(
@@ -149,6 +179,11 @@ def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, lo
         activation_checkpoint_interval=1 if activation_checkpointing else 0,
         activation_checkpoint_func=functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
         checkpointable_layers=["BlockStage"])
+
+    def last_head():   # the last stage's LM head (it exists on the last stage, where loss_fn runs)
+        if cfg.tie_embeddings:
+            return module.tied_modules["embed"].lm_head
+        return next(m for m in module.modules() if isinstance(m, HeadStage)).lm_head
     # DeepSpeed's gradient norm (clipping, ZeRO) sums over its "model parallel" group, which
     # under pipelining is every stage x TP rank, but counts a parameter not marked as model
     # parallel only on that group's rank 0, i.e. only on the first stage. Mark each parameter

@@ -25,18 +25,23 @@ from .layout import check_sizes
 class _Groups:
     topology: object
     tensor: object
-    data: object
+    data: object                 # DeepSpeed's data-parallel group: DP x CP ranks
     pipe: object
     tensor_ranks: list
     data_ranks: list
     pipe_ranks: list
+    context: object = None       # the CP ranks sharing this rank's samples (consecutive in `data`)
+    context_ranks: list = None
+    context_size: int = 1
 
 
 _GROUPS: _Groups | None = None
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
-                              pipeline_model_parallel_size: int = 1) -> None:
+                              pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
+    """Context parallelism lives inside DeepSpeed's data axis (gradients are averaged over DP x CP,
+    as Megatron's "dp-cp" group): its C consecutive members share samples, one block each."""
     global _GROUPS
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed to be initialised "
@@ -54,6 +59,16 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                 mine[axis] = (group, ranks)
     _GROUPS = _Groups(topo, mine["model"][0], mine["data"][0], mine["pipe"][0],
                       mine["model"][1], mine["data"][1], mine["pipe"][1])
+    cp = context_parallel_size
+    if len(mine["data"][1]) % cp:
+        raise ValueError(f"context_parallel_size={cp} does not divide the data axis ({len(mine['data'][1])} ranks)")
+    _GROUPS.context_ranks = [rank]
+    for ranks in (topo.get_axis_comm_lists("data") if cp > 1 else []):
+        for i in range(0, len(ranks), cp):
+            members = ranks[i:i + cp]
+            group = dist.new_group(members)
+            if rank in members:
+                _GROUPS.context, _GROUPS.context_ranks, _GROUPS.context_size = group, members, cp
 
 
 def model_parallel_is_initialized() -> bool:
@@ -103,6 +118,23 @@ def get_data_parallel_world_size() -> int:
 
 def get_data_parallel_rank() -> int:
     return _groups().data_ranks.index(dist.get_rank())
+
+
+def get_context_parallel_group():
+    return _groups().context
+
+
+def get_context_parallel_world_size() -> int:
+    return _groups().context_size
+
+
+def get_context_parallel_rank() -> int:
+    return _groups().context_ranks.index(dist.get_rank())
+
+
+def get_sample_parallel_rank() -> int:
+    """Which share of the samples this rank reads: its data-parallel rank without CP."""
+    return get_data_parallel_rank() // _groups().context_size
 
 
 def get_pipe_parallel_group():

@@ -5,7 +5,8 @@
 
 Engines: PP = 1 uses DeepSpeed's plain engine (ZeRO 0/1/2/3) with the tensor-parallel model and
 our `parallel.state` as mpu; PP > 1 uses its PipelineEngine (1F1B schedule, ZeRO 0/1) on the
-PipelineModule of parallel/pipeline.py, whose grid comes from the same topology.
+PipelineModule of parallel/pipeline.py, whose grid comes from the same topology. With
+train.compile=true either engine's module is compiled in place (training/compilation.py).
 
 Order of a step: the scheduled LR (in tokens) is applied to every group (the SSM group capped),
 then `gradient_accumulation` micro-batches go through forward (bf16 autocast when
@@ -47,9 +48,13 @@ from ..errors import UserError
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, parse_data_path
 from ..parallel import state, vocab_parallel_cross_entropy
 from ..parallel.tensor_parallel import parallel_model
+from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
 from ..parallel.pipeline import pipeline_model
+from ..parallel.fused_cross_entropy import lm_head_loss
+from .documents import DocumentOptions, document_index, masked_mean
 from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
                           local_device_index, skip_deepspeed_shm_build, uses_cuda)
+from .compilation import check_compile_toolchain, compile_engine
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
@@ -84,20 +89,27 @@ class Trainer:
         import deepspeed
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        state.initialize_model_parallel(self.layout.tensor, self.layout.pipe)
+        state.initialize_model_parallel(self.layout.tensor, self.layout.pipe, self.layout.context)
         self.tp_group = state.get_tensor_model_parallel_group()
+        self.context = None   # parallel.context_parallel_size > 1: this rank's share of each sample
+        if self.layout.context > 1:
+            self.context = ContextParallel(state.get_context_parallel_group(), state.get_context_parallel_rank(),
+                                           self.layout.context)
         self.pipelined = self.layout.pipe > 1
+        self.documents = DocumentOptions.from_config(cfg.data)   # packed documents (off by default)
         if self.pipelined:   # DeepSpeed's PipelineEngine; its mpu is the module's own grid
             model, mpu = pipeline_model(
                 cfg.model, state.get_topology(), self.tp_group, seed=cfg.seed,
                 loss_vocab=cfg.model.vocab_size, sequence_parallel=cfg.parallel.sequence_parallel,
-                activation_checkpointing=cfg.train.activation_checkpointing), None
+                activation_checkpointing=cfg.train.activation_checkpointing, documents=self.documents,
+                fused_loss=cfg.train.fused_lm_head_loss), None
         else:
             # built on the meta device and materialised as this TP rank's shard: a rank never
             # holds the whole model (its init draws one full-size tensor at a time)
             model = parallel_model(cfg.model, self.tp_group, seed=cfg.seed,
                                    sequence_parallel=cfg.parallel.sequence_parallel)
             model.activation_checkpointing = cfg.train.activation_checkpointing
+            apply_context_parallel(model, self.context)
             mpu = state
         o = cfg.optimizer
         # ZeRO-0: the guard computes the norm and clips (DeepSpeed's fp32 path would apply a
@@ -106,7 +118,7 @@ class Trainer:
         zero0 = cfg.train.zero_stage == 0   # ZeRO-0 saves the guard's own state dict: name its parameters
         self.guard = GuardedAdamW(parameter_groups(model, o, named=zero0), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps, clip_grad=o.clip_grad if cfg.train.zero_stage == 0 else None,
-                                  tp_rank=dist.get_rank(self.tp_group), data_parallel=self.layout.data)
+                                  tp_rank=dist.get_rank(self.tp_group), data_parallel=self.layout.gradient_replicas)
         optimizer = self.guard
         if self.pipelined:
             stage_loss = model.loss_fn
@@ -117,6 +129,8 @@ class Trainer:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             args=device_args, model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.layout),
             mpu=mpu)
+        if cfg.train.compile:   # in place: checkpoints keep their names (training/compilation.py)
+            compile_engine(self.engine, cfg)
         self.device = getattr(self.engine, "device", "cpu")
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
@@ -134,6 +148,9 @@ class Trainer:
             raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
                               "(data.data_path=[data/my_corpus_text_document]).")
         check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
+        DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
+        if t.compile:   # inductor's compiler, before the first step would find it missing
+            check_compile_toolchain("cuda" if uses_cuda() else "cpu")
         resume, note = check_save_and_load(t.save, t.load)
         if resume is not None:
             check_resume_batch(latest_folder(resume), self.layout.global_batch_size)
@@ -159,7 +176,7 @@ class Trainer:
         """The data position is the number of samples consumed: resuming continues the order."""
         consumed = self.step * self.layout.global_batch_size
         self.sampler = iter(PretrainingSampler(len(self.train_data), consumed, self.layout.micro_batch_size,
-                                               state.get_data_parallel_rank(), self.layout.data))
+                                               state.get_sample_parallel_rank(), self.layout.data))
 
     def _datasets(self):
         d = self.cfg.data   # checked by _preflight
@@ -172,10 +189,43 @@ class Trainer:
         return train
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        extra, mask = self.documents.model_inputs(inputs), self.documents.loss_mask(inputs)
+        if self.context is not None:   # this rank's block of every tensor (documents found on the whole sample)
+            inputs, labels = split_sequence(inputs, self.context), split_sequence(labels, self.context)
+            extra = {k: split_sequence(v, self.context) for k, v in extra.items()}
+            mask = None if mask is None else split_sequence(mask, self.context)
+        if self.cfg.train.fused_lm_head_loss:   # the LM head runs inside the loss, chunked
+            return self.guard.observe_loss(self._fused_loss(inputs, labels, extra, mask))
         with self._autocast(batch.device):
-            logits = self.engine(batch[:, :-1])
-        return self.guard.observe_loss(vocab_parallel_cross_entropy(
-            logits, batch[:, 1:], self.tp_group, self.cfg.model.vocab_size).mean())
+            logits = self.engine(inputs, **extra)
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.cfg.model.vocab_size)
+        if self.context is not None:
+            return self.guard.observe_loss(self._context_parallel_loss(per_token, mask))
+        return self.guard.observe_loss(masked_mean(per_token, mask))
+
+    def _context_parallel_loss(self, per_token: torch.Tensor, mask) -> torch.Tensor:
+        """Sum of this block's losses / the sample's count of counted tokens, x C: DeepSpeed
+        averages gradients (and we average losses) over the C ranks of a sample, which then
+        gives the whole sample's mean, as without context parallelism (masks included)."""
+        weights = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+        count = weights.sum().detach()
+        dist.all_reduce(count, group=self.context.group)
+        return (per_token * weights).sum() / count.clamp_min(1) * self.context.size
+
+    def _fused_loss(self, inputs, labels, extra: dict, mask) -> torch.Tensor:
+        """train.fused_lm_head_loss: the model returns its final hidden states and the loss applies
+        the LM head chunk by chunk (parallel/fused_cross_entropy.py), never holding the logits;
+        the value of the unfused path above (with context parallelism, _context_parallel_loss's)."""
+        normalizer = None
+        if self.context is not None:   # the sample's count of counted tokens / C, as above
+            count = (torch.ones_like(labels, dtype=torch.float32) if mask is None else mask.float()).sum()
+            dist.all_reduce(count, group=self.context.group)
+            normalizer = count.clamp_min(1) / self.context.size
+        with self._autocast(inputs.device):   # the head's matmul under autocast, as inside the model
+            hidden = self.engine(inputs, return_hidden=True, **extra)
+            return lm_head_loss(self.engine.module.lm_head, hidden, labels, self.cfg.model.vocab_size, mask,
+                                normalizer=normalizer)
 
     def _autocast(self, device):
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
@@ -186,7 +236,16 @@ class Trainer:
         and last stages pull from it."""
         for indices in sampler:
             batch = self._batch(dataset, indices)
-            yield batch[:, :-1], batch[:, 1:]
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            if not self.documents.active:
+                yield inputs, labels
+                continue
+            # packed documents: the stages pass (h, seq_idx, position_ids) along, the loss gets
+            # (labels, mask) (parallel/pipeline.py); both always present, the stages know which count
+            seq_idx, position_ids = document_index(inputs, self.documents.eod_id)
+            mask = self.documents.loss_mask(inputs)
+            yield (inputs, seq_idx, position_ids), (labels, torch.ones_like(inputs, dtype=torch.float)
+                                                    if mask is None else mask)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -197,7 +256,7 @@ class Trainer:
         per_eval = self.cfg.train.eval_iters * self.layout.global_batch_size
         start = (self.evaluations * per_eval) % max(len(self.valid_data) - per_eval + 1, 1)
         sampler = PretrainingSampler(start + per_eval, start, self.layout.micro_batch_size,
-                                     state.get_data_parallel_rank(), self.layout.data)
+                                     state.get_sample_parallel_rank(), self.layout.data)
         self.evaluations += 1
         if self.pipelined:   # mean over micro-batches and data-parallel ranks, on every stage
             with self._autocast(self.device):
@@ -212,7 +271,7 @@ class Trainer:
             count += 1
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.engine.train()
-        return total.item() / (count * self.layout.data)
+        return total.item() / (count * self.layout.gradient_replicas)
 
     def _batch(self, dataset, indices) -> torch.Tensor:
         """One micro-batch on the training device. On CUDA it is staged in pinned memory and
@@ -266,7 +325,7 @@ class Trainer:
         self.guard.end_of_step()
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.step += 1
-        return total.item() / (self.layout.gradient_accumulation * self.layout.data)
+        return total.item() / (self.layout.gradient_accumulation * self.layout.gradient_replicas)
 
     # ------------------------------------------------------------ the loop
 

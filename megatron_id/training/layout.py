@@ -5,7 +5,8 @@ DeepSpeed config generated from ours.
 the setting and the fix: the layout itself through the one validator (parallel/layout.py: a
 world size that is not TP x PP x DP, heads/vocab/FFN not divisible by TP, layers not divisible
 into pipeline stages, ZeRO-2/3 with pipelines), then ZeRO-3 with train.reshardable_optimizer,
-a global batch that micro-batch x DP does not divide and a token budget below one step.
+a global batch that micro-batch x DP does not divide and a token budget below one step, and
+train.compile with what cannot compile (training/compilation.py).
 
 ZeRO-3 (PP = 1): DeepSpeed partitions every parameter of the tensor-parallel model over the DP
 group when the engine is built (the model is built whole per TP rank first, no zero.Init) and
@@ -28,30 +29,48 @@ from dataclasses import dataclass
 
 from ..config import Config, ConfigError
 from ..parallel.layout import check_layout
+from .compilation import check_compile_config
 
 
 @dataclass(frozen=True)
 class Layout:
     tensor: int
     pipe: int
-    data: int
+    data: int                  # data-parallel replicas that read different samples
     micro_batch_size: int
     gradient_accumulation: int
     global_batch_size: int
     tokens_per_step: int
     train_iters: int
+    context: int = 1           # ranks sharing each sample, one block of it each
+
+    @property
+    def gradient_replicas(self) -> int:
+        """Ranks whose gradients are averaged (DeepSpeed's data-parallel group): DP x CP."""
+        return self.data * self.context
 
 
 def training_layout(cfg: Config, world_size: int) -> Layout:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     dp = check_layout(m, world_size, tp, pp, t.zero_stage, p.sequence_parallel)
+    cp = p.context_parallel_size
+    if cp != 1:
+        dp = check_context_parallel(cfg, dp)
+    check_compile_config(cfg)   # train.compile with what cannot compile
     if t.zero_stage == 3 and t.reshardable_optimizer:
         raise ConfigError(
             "train.reshardable_optimizer=true cannot be combined with train.zero_stage=3: the "
             "per-parameter optimizer state is read through ZeRO-1/2's fragment mappings, which "
             "ZeRO-3 does not have. Set train.reshardable_optimizer=false (a ZeRO-3 checkpoint "
             "still loads its weights at any layout with train.load_optimizer=false), or use "
+            "train.zero_stage=1 or 2.")
+    if t.zero_stage == 3 and t.fused_lm_head_loss:
+        raise ConfigError(
+            "train.fused_lm_head_loss=true cannot be combined with train.zero_stage=3: ZeRO-3 "
+            "gathers a module's partitioned weights only around that module's own forward and "
+            "backward, and the fused loss uses the LM head's weight outside lm_head.forward "
+            "(parallel/fused_cross_entropy.py). Set train.fused_lm_head_loss=false, or use "
             "train.zero_stage=1 or 2.")
     per_step = t.micro_batch_size * dp
     if t.micro_batch_size < 1 or t.global_batch_size < 1 or t.global_batch_size % per_step:
@@ -64,7 +83,27 @@ def training_layout(cfg: Config, world_size: int) -> Layout:
     if iters < 1:
         raise ConfigError(f"train.train_tokens={t.train_tokens} is less than one step.")
     return Layout(tp, pp, dp, t.micro_batch_size, t.global_batch_size // per_step,
-                  t.global_batch_size, tokens_per_step, iters)
+                  t.global_batch_size, tokens_per_step, iters, cp)
+
+
+def check_context_parallel(cfg: Config, dp_and_cp: int) -> int:
+    """parallel.context_parallel_size=C against the rest; returns the data-parallel size left."""
+    p, m = cfg.parallel, cfg.model
+    cp = p.context_parallel_size
+    if cp < 1 or dp_and_cp % cp:
+        raise ConfigError(f"parallel.context_parallel_size={cp} must be >= 1 and divide the ranks left after "
+                          f"TP x PP ({dp_and_cp}): world = TP x CP x PP x DP.")
+    if m.seq_length % cp:
+        raise ConfigError(f"parallel.context_parallel_size={cp} splits model.seq_length={m.seq_length} into "
+                          f"equal blocks: use a sequence length divisible by {cp}.")
+    if p.pipeline_model_parallel_size > 1:
+        raise ConfigError("parallel.context_parallel_size > 1 with parallel.pipeline_model_parallel_size > 1 "
+                          "is not supported yet: use TP x CP x DP (set one of them to 1).")
+    if p.sequence_parallel:
+        raise ConfigError("parallel.context_parallel_size > 1 with parallel.sequence_parallel=true is not "
+                          "supported yet: context parallelism already splits the sequence; set "
+                          "parallel.sequence_parallel=false.")
+    return dp_and_cp // cp
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -79,7 +118,9 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
     """The DeepSpeed config for this run; `train.deepspeed` entries override any key."""
     t = cfg.train
     generated = {
-        "train_batch_size": layout.global_batch_size,
+        # DeepSpeed counts every rank of its data-parallel group (DP x CP) as reading its own
+        # micro-batch: under context parallelism the C ranks of a sample each hold one block
+        "train_batch_size": layout.global_batch_size * layout.context,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.gradient_accumulation,
         # ZeRO-0: our GuardedAdamW clips (and skips non-finite steps); ZeRO-1/2/3: DeepSpeed does
@@ -93,7 +134,7 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
     }
     merged = _deep_merge(generated, dict(t.deepspeed))
     if merged["train_batch_size"] != merged["train_micro_batch_size_per_gpu"] * \
-            merged["gradient_accumulation_steps"] * layout.data:
+            merged["gradient_accumulation_steps"] * layout.gradient_replicas:
         raise ConfigError("train.deepspeed overrides make train_batch_size differ from micro-batch "
                           "x gradient accumulation x data-parallel size; set the batch through "
                           "train.micro_batch_size and train.global_batch_size instead.")

@@ -37,7 +37,7 @@ class Metrics:
         self.layout, self.peak = layout, cfg.train.peak_tflops
         self.report = report(cfg.model)   # parameters and FLOPs, counted once
         self.flops_per_token = self.report.training_flops_per_token
-        self.devices = layout.tensor * layout.pipe * layout.data
+        self.devices = layout.tensor * layout.pipe * layout.gradient_replicas
         self.interval = max(cfg.train.log_interval, 1)
         self.writer = None
         if is_logger and cfg.train.tensorboard_dir:

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.interdomain import FORMS, recurrent_interdomain, step_tables
-from ...ops.interdomain.chunked import chunk_tables, core_step, recomputes, segment_tokens
+from ...ops.interdomain.chunked import (block_end_state, block_transition, chunk_tables, core_step, recomputes,
+                                        segment_tokens)
 from ...ops.segments import run_in_segments
-from ...ops.interdomain.ssm import s4d_inv_init
+from ...ops.interdomain.ssm import document_starts, s4d_inv_init
 from ..layers import (Linear, RMSNorm, ShortConv, apply_rope, feature_map, left_padding, rms_norm,
                       short_conv)
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL, SSM_PER_HEAD, SSM_SHARED_NORM, WITH_HEADS
@@ -58,6 +59,7 @@ class InterdomainMixer(nn.Module):
         self.query_readout, self.dual_kv_input = cfg.query_readout, cfg.dual_kv_input
         self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, cfg.readout.value
         self.chunk_size, self.form = cfg.chunk_size, form
+        self.context_parallel = None   # parallel/context_parallel.py sets it: this rank runs one block
         impl = getattr(cfg, "core_impl", "auto")   # exports written before core_impl existed: auto
         self.core_impl = getattr(impl, "value", impl)
         std, K, Dh = cfg.init_std, cfg.conv_kernel, d // H
@@ -115,10 +117,12 @@ class InterdomainMixer(nn.Module):
         own = dict(self.named_parameters())
         return {name: own[name] for name in self.FEATURE_PARAMETERS if name in own}
 
-    def _features(self, x_q, x_k, x_v, conv_in, conv_out, rope_offset, real, params=None):
+    def _features(self, x_q, x_k, x_v, conv_in, conv_out, rope_offset, real, params=None, starts=None):
         """The core's inputs from the projections: short convs, RoPE, feature maps, norms and
         biases. conv_out receives the convs' states (for generation). `params` (by name, as
-        feature_parameters) replaces the module's own: the recomputing backward's leaves."""
+        feature_parameters) replaces the module's own: the recomputing backward's leaves.
+        starts [B, N] bool: packed documents (the convs do not reach across a start);
+        rope_offset may be [B, N] positions (position ids that restart per document)."""
         # Without `params` the submodules are called, so that their hooks run (ZeRO-3 gathers
         # their partitioned weights in them).
         def only_real(y):   # where(), not a product: nothing computed at a pad can leak
@@ -126,10 +130,10 @@ class InterdomainMixer(nn.Module):
 
         def conv(name, y):
             if params is None:
-                y, conv_out[name] = getattr(self, name)(only_real(y), conv_in.get(name))
+                y, conv_out[name] = getattr(self, name)(only_real(y), conv_in.get(name), starts)
             else:
                 y, conv_out[name] = short_conv(only_real(y), params[f"{name}.weight"],
-                                               params[f"{name}.bias"], conv_in.get(name))
+                                               params[f"{name}.bias"], conv_in.get(name), starts)
             return self._heads(y)
 
         def norm(name, y):
@@ -157,12 +161,14 @@ class InterdomainMixer(nn.Module):
             query = feature_map(query)
         return query, key, value
 
-    def forward(self, x, state=None, return_state=False, start=None):
+    def forward(self, x, state=None, return_state=False, start=None, seq_idx=None, position_ids=None):
         """x [B, N, d]. state {'ssm': [B, H, M, P] complex, 'conv': {...}, 'pos': int} or None.
         start [B] or None: left padding, each row's first real position (counted like 'pos').
         Padded positions leave no trace: their conv inputs, keys and values are zero, so the
         state a row reaches is the one it would reach alone (the update is linear in [k, v]),
-        and RoPE counts each row's positions from its first real token."""
+        and RoPE counts each row's positions from its first real token.
+        seq_idx [B, N] (packed documents, data.reset_attention_mask): the state and the convs
+        restart at every document; position_ids [B, N] (data.reset_position_ids): RoPE's."""
         pos = state["pos"] if state else 0
         conv_in = state["conv"] if state else {}
         conv_out = {}
@@ -170,6 +176,9 @@ class InterdomainMixer(nn.Module):
         if start is not None:
             real, rope_offset = left_padding(start, pos, x.shape[1])
             real = real[..., None]   # [B, N, 1]: broadcasts over channels
+        if position_ids is not None:
+            rope_offset = position_ids
+        starts = document_starts(seq_idx)
 
         projected = (self.q_proj(x) if self.query_readout else None,
                      *((self.k_proj(x), self.v_proj(x)) if self.dual_kv_input else
@@ -178,13 +187,15 @@ class InterdomainMixer(nn.Module):
         # (ZeRO-3 partitions parameters and gathers them in each submodule's hooks, which the
         # segments' functional calls bypass: there only the core recomputes, see _core)
         zero3 = hasattr(self.o_proj.weight, "ds_id")
-        if state is None and start is None and not return_state and self.form == "chunked" and \
-                not zero3 and recomputes(self.core_impl, x.shape[1], wants_grad):
-            o = self._recomputed_core(projected)
+        if self.context_parallel is not None and state is None and start is None and not return_state:
+            o, ssm = self._context_parallel_core(projected, seq_idx, position_ids), None
+        elif state is None and start is None and not return_state and self.form == "chunked" and \
+                not zero3 and recomputes(self.core_impl, x.shape[1], wants_grad, x):
+            o = self._recomputed_core(projected, starts, position_ids)
             ssm = None
         else:
-            query, key, value = self._features(*projected, conv_in, conv_out, rope_offset, real)
-            o, ssm = self._core(query, key, value, state, return_state)
+            query, key, value = self._features(*projected, conv_in, conv_out, rope_offset, real, starts=starts)
+            o, ssm = self._core(query, key, value, state, return_state, seq_idx)
         o = o.reshape(*x.shape[:2], -1).to(x.dtype)
         if hasattr(self, "g_proj"):
             o = o * F.silu(self.g_proj(x))
@@ -194,7 +205,35 @@ class InterdomainMixer(nn.Module):
         return y, {"ssm": ssm, "conv": conv_out, "pos": pos + x.shape[1],
                    "tables": state.get("tables") if state else None}
 
-    def _recomputed_core(self, projected):
+    def _context_parallel_core(self, projected, seq_idx, position_ids):
+        """This rank's block of a sequence split over the context-parallel group
+        (parallel/context_parallel.py): the convs read the previous block's last K-1 inputs, the
+        core starts from the state the earlier blocks leave (their end states, combined)."""
+        cp = self.context_parallel
+        block = projected[1].shape[1]
+        fresh = cp.fresh_start(seq_idx)   # a document begins at this block's first token
+        keep_rows = None if fresh is None else (~fresh).to(projected[1].dtype)
+        names = (("q_conv",) if self.query_readout else ()) + (("k_conv",) if self.dual_kv_input else ("a_conv", "b_conv"))
+        inputs = ([projected[0]] if self.query_readout else []) + list(projected[1:2 if self.dual_kv_input else 3])
+        conv_in = {}
+        for name, x in zip(names, inputs):
+            tail = cp.previous_tail(x, self.conv_kernel - 1).transpose(1, 2)   # [B, C, K-1], the conv's state
+            conv_in[name] = tail if keep_rows is None else tail * keep_rows[:, None, None]
+        rope_offset = cp.rank * block if position_ids is None else position_ids
+        query, key, value = self._features(*projected, conv_in, {}, rope_offset, None,
+                                           starts=document_starts(seq_idx))
+        log_dt, a_log, a_im = self.core_parameters()[:3]
+        end = block_end_state(key, value, log_dt, a_log, a_im, chunk_size=self.chunk_size, seq_idx=seq_idx)
+        survives = None
+        if seq_idx is not None:   # the state entering this block reaches its end: no start in it
+            survives = ((seq_idx == seq_idx[:, :1]).all(dim=1) & ~fresh).to(end.real.dtype)
+        incoming = cp.incoming_state(end, block_transition(log_dt, a_log, a_im, block), survives)
+        if fresh is not None:
+            incoming = incoming * (~fresh).to(incoming.real.dtype)[:, None, None, None]
+        o, _ = self._core(query, key, value, {"ssm": incoming}, False, seq_idx)
+        return o
+
+    def _recomputed_core(self, projected, starts=None, position_ids=None):
         """Features and core from the projections, segment by segment, keeping only the
         projections and each segment's entering state for the backward (ops/segments.py):
         at 16K tokens and 125M width the layer then holds less than causal attention does
@@ -208,24 +247,29 @@ class InterdomainMixer(nn.Module):
         core = core_step(names, self.chunk_size)
 
         def step(params, window, lo, window_lo, state):
-            query, key, value = self._features(*window, {}, {}, window_lo, None,
-                                               params=dict(zip(features, params[:n_features])))
+            x_q, x_k, x_v, w_starts, w_positions = window
+            query, key, value = self._features(x_q, x_k, x_v, {}, {}, window_lo if w_positions is None else w_positions,
+                                               None, params=dict(zip(features, params[:n_features])),
+                                               starts=w_starts)
             trim = lo - window_lo   # the halo: tokens the convs needed, not outputs of this segment
             core_in = [None if t is None else t[:, trim:].to(work) for t in (query, key, value)]
+            core_in.append(None if w_starts is None else w_starts[:, trim:])
             with torch.autocast(device_type=key.device.type, enabled=False):
                 return core(params[n_features:], core_in, lo, lo, state)
 
         B, H = projected[1].shape[0], self.log_dt.shape[0]
         width = 2 * self.head_dim   # P = R + Dv
         start = projected[1].new_zeros(B, H, 2 * self.state_size, width, dtype=work)
-        out, _ = run_in_segments(step, [*features.values(), *tab.values()], list(projected), start,
+        out, _ = run_in_segments(step, [*features.values(), *tab.values()], [*projected, starts, position_ids], start,
                                  segment_tokens=segment_tokens(self.chunk_size),
                                  halo=self.conv_kernel - 1)
         return out
 
-    def _core(self, query, key, value, state, return_state):
+    def _core(self, query, key, value, state, return_state, seq_idx=None):
         kwargs = dict(readout=self.readout, c_vec=getattr(self, "c_vec", None),
                       initial_state=state["ssm"] if state else None, output_final_state=return_state)
+        if seq_idx is not None:
+            kwargs["seq_idx"] = seq_idx
         if key.shape[1] == 1 and state:   # decode: reuse the parameter-only tables across tokens
             if state.get("tables") is None:
                 state["tables"] = step_tables(*self.core_parameters(), readout=self.readout,

@@ -46,10 +46,14 @@ states (in and out) [B, H, M, R + Dv] complex, as in the other forms.
 """
 from __future__ import annotations
 
+import importlib
+import os
+
 import torch
 
 from ..segments import run_in_segments
-from .ssm import complex_dtype_for, contraction_vector, discretize, readout_gram, readout_scale
+from .ssm import (complex_dtype_for, contraction_vector, discretize, document_starts, readout_gram,
+                  readout_scale)
 
 
 def stack(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -143,6 +147,13 @@ def _to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Te
     return x.view(B, n, chunk_size, H, D).permute(0, 3, 1, 2, 4).contiguous()
 
 
+def _starts_to_chunks(starts: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B, N] bool -> [B, n_chunks, T], padded with False (padding joins the last document)."""
+    B, N = starts.shape
+    n = -(-N // chunk_size)
+    return torch.nn.functional.pad(starts, (0, n * chunk_size - N)).view(B, n, chunk_size)
+
+
 def _from_chunks(x: torch.Tensor, N: int) -> torch.Tensor:
     B, H, n, T, D = x.shape
     return x.permute(0, 2, 3, 1, 4).reshape(B, n * T, H, D)[:, :N]
@@ -154,59 +165,117 @@ def _rotate(state: torch.Tensor, w_re: torch.Tensor, w_im: torch.Tensor) -> torc
     return torch.cat([w_re * re - w_im * im, w_im * re + w_re * im], dim=-2)
 
 
-def _carry(added: torch.Tensor, tab: dict, state: torch.Tensor):
+def _carry(added: torch.Tensor, tab: dict, state: torch.Tensor, keep=None):
     """States entering each chunk, [B, H, c, 2M, P], and the state after the last chunk, from
-    each chunk's own contribution `added` [B, H, c, 2M, P] and the state before the first."""
+    each chunk's own contribution `added` [B, H, c, 2M, P] and the state before the first.
+    keep [B, 1, c, 1, 1] (packed documents): 0 where a document starts inside the chunk, so the
+    state before it is forgotten."""
     entering = []
-    for chunk_added in added.unbind(dim=2):   # unbind: one backward op, not one per chunk
+    for i, chunk_added in enumerate(added.unbind(dim=2)):   # unbind: one backward op, not one per chunk
         entering.append(state)
-        state = _rotate(state, tab["lam_re"], tab["lam_im"]) + chunk_added
+        carried = _rotate(state, tab["lam_re"], tab["lam_im"])
+        state = (carried if keep is None else carried * keep[:, :, i]) + chunk_added
     return torch.stack(entering, dim=2), state
 
 
-def _segment(tab: dict, qc, kc, vc, start, *, valid=None):
+def document_masks(starts: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Per-chunk masks of packed documents from starts [B, c, T] bool (ssm.document_starts in
+    chunks). With `local` the number of starts up to each position inside its chunk:
+    enter [B, 1, c, T, 1]  the state entering the chunk reaches position i (no start at <= i)
+    same  [B, 1, c, T, T]  positions i and j are in one document (pairs inside the chunk)
+    keep  [B, 1, c, 1, 1]  the entering state survives the whole chunk (no start in it)
+    last  [B, 1, c, T, 1]  token j is in the chunk's last document (it reaches the next chunk)
+    Only positions inside the chunk are compared, so the masks need no token before it: a
+    segment of chunks is self-contained (the recomputing backward relies on that)."""
+    local = starts.cumsum(-1)[:, None]                                       # [B, 1, c, T]
+    as_float = lambda m: m.to(dtype)
+    return dict(enter=as_float(local == 0)[..., None],
+                same=as_float(local[..., :, None] == local[..., None, :]),
+                keep=as_float(local[..., -1] == 0)[..., None, None],
+                last=as_float(local == local[..., -1:])[..., None])
+
+
+def _segment(tab: dict, qc, kc, vc, start, *, valid=None, docs=None):
     """One run of consecutive chunks: qc, kc [B, H, c, T, R] (qc None for the contraction
     readout), vc [B, H, c, T, Dv], start [B, H, 2M, P] (stacked) the state before them.
     Returns (out [B, H, c, T, Dv or P], the stacked state after them). `valid` < T: only the
     first `valid` tokens of the last chunk are real; the returned state is then exact (the
-    carry over the zero padding would have decayed it)."""
+    carry over the zero padding would have decayed it). docs: document_masks(...) or None
+    (None computes exactly what it did before packed documents existed)."""
     R, M = kc.shape[-1], tab["pow_re"].shape[-1]
+    masked = (lambda x, name: x) if docs is None else (lambda x, name: x * docs[name])
     z = torch.cat([kc, vc], dim=-1)                                         # [B, H, c, T, P]
-    added = tab["add_in"][:, None] @ z                                      # [B, H, c, 2M, P]
-    entering, end = _carry(added, tab, start)                               # [B, H, c, 2M, P]
+    entering, end = _states(tab, z, start, valid, docs)
     if qc is None:
-        out = tab["entering"][:, None] @ entering + tab["kernel"][:, None] @ z
+        out = masked(tab["entering"][:, None] @ entering, "enter") + masked(tab["kernel"][:, None], "same") @ z
     else:
         B, H, c, T, _ = kc.shape
         S_k, S_v = entering.split([R, z.shape[-1] - R], dim=-1)   # split: no zero-filled grads
         w_re, w_im = tab["pow_re"][:, None], tab["pow_im"][:, None]         # [H, 1, T, M]
-        p = mul_stacked(qc @ S_k.transpose(-1, -2), w_re, w_im)            # from entering state
-        scores = lag_to_position(qc @ kc.transpose(-1, -2))                 # [B, H, c, T, T(lag)]
+        p = masked(mul_stacked(qc @ S_k.transpose(-1, -2), w_re, w_im), "enter")   # from entering state
+        scores = lag_to_position(masked(qc @ kc.transpose(-1, -2), "same"))   # [B, H, c, T, T(lag)]
         p = p + (scores.view(B, H, c * T, T) @ tab["lag"]).view(p.shape)   # within the chunk
         # r_c = conj(r) with r = p' G (p' = conj(p) for the hermitian readout), stacked
         r_c = p.view(B, H, c * T, 2 * M) @ tab["gram"]                      # [B, H, cT, 2M]
         # Re(W_ij) = Re(r_i . lambda^{i-j} Bbar), computed by lag and read back by position
-        weights = lag_to_position((r_c @ tab["lag"].transpose(-1, -2)).view(B, H, c, T, T))
+        weights = masked(lag_to_position((r_c @ tab["lag"].transpose(-1, -2)).view(B, H, c, T, T)), "same")
         # Re((r . lambda^{i+1})^T S^v): [conj(r lambda)] . [S_re ; S_im] along the modes
-        out = mul_stacked(r_c.view(p.shape), w_re, -w_im) @ S_v
+        out = masked(mul_stacked(r_c.view(p.shape), w_re, -w_im) @ S_v, "enter")
         out = (out + weights @ vc) * readout_scale(M)
-    if valid is not None and valid < kc.shape[-2]:
-        T = kc.shape[-2]
-        w_re, w_im = (tab[k][:, valid - 1, :, None] for k in ("pow_re", "pow_im"))   # lambda^valid
-        end = _rotate(entering[:, :, -1], w_re, w_im) + \
-            tab["add_in"][..., T - valid:] @ z[:, :, -1, :valid]
     return out, end
+
+
+def _states(tab: dict, z, start, valid=None, docs=None):
+    """The stacked states entering each chunk [B, H, c, 2M, P] and the state after the last
+    real token, from z = [k, v] in chunks [B, H, c, T, P] (see _segment for valid and docs)."""
+    z_out = z if docs is None else z * docs["last"]                         # what reaches the next chunk
+    added = tab["add_in"][:, None] @ z_out                                  # [B, H, c, 2M, P]
+    entering, end = _carry(added, tab, start, None if docs is None else docs["keep"])
+    if valid is not None and valid < z.shape[-2]:
+        T = z.shape[-2]
+        w_re, w_im = (tab[k][:, valid - 1, :, None] for k in ("pow_re", "pow_im"))   # lambda^valid
+        carried = _rotate(entering[:, :, -1], w_re, w_im)
+        end = (carried if docs is None else carried * docs["keep"][:, :, -1]) + \
+            tab["add_in"][..., T - valid:] @ z_out[:, :, -1, :valid]
+    return entering, end
+
+
+def block_end_state(k, v, log_dt, a_log, a_im, *, chunk_size=64, seq_idx=None):
+    """The state after a block of tokens when it starts from zero, [B, H, M, R + Dv] complex,
+    without any output (context parallelism's first pass, parallel/context_parallel.py): the
+    carry alone, linear in k and v."""
+    B, N, H, R = k.shape
+    M = a_log.shape[-1]
+    work = torch.float64 if k.dtype == torch.float64 else torch.float32
+    with torch.autocast(device_type=k.device.type, enabled=False):
+        eye = torch.eye(M, dtype=work, device=k.device).expand(H, M, M)   # no readout is formed
+        tab = chunk_tables(log_dt, a_log, a_im, eye, torch.zeros_like(eye), readout="plain", c_vec=None,
+                           chunk_size=chunk_size, dtype=work)
+        z = torch.cat([_to_chunks(k, chunk_size, work), _to_chunks(v, chunk_size, work)], dim=-1)
+        starts = document_starts(seq_idx)
+        docs = None if starts is None else document_masks(_starts_to_chunks(starts, chunk_size), work)
+        start = z.new_zeros(B, H, 2 * M, z.shape[-1])
+        _, end = _states(tab, z, start, N - (z.shape[2] - 1) * chunk_size, docs)
+        return unstack(end, dim=-2)
+
+
+def block_transition(log_dt, a_log, a_im, n_tokens: int) -> torch.Tensor:
+    """lambda^n [H, M] complex (float64 exponent, as every table): what a state becomes over n
+    tokens with no input."""
+    log_lam, _ = discretize(log_dt.double(), a_log.double(), a_im.double())
+    return torch.exp(n_tokens * log_lam)
 
 
 def core_step(names: tuple, chunk_size: int):
     """The chunked core as a `run_in_segments` step (ops/segments.py): params are the chunk
     tables (in `names` order), the window is (q, k, v) token-major, the state is stacked."""
     def step(params, window, lo, window_lo, state):
-        q, k, v = window
+        q, k, v, starts = window
         dtype = k.dtype
         chunks = [None if x is None else _to_chunks(x, chunk_size, dtype) for x in (q, k, v)]
         valid = k.shape[1] - (chunks[1].shape[2] - 1) * chunk_size   # exact state after the last token
-        out, end = _segment(dict(zip(names, params)), *chunks, state, valid=valid)
+        docs = None if starts is None else document_masks(_starts_to_chunks(starts, chunk_size), dtype)
+        out, end = _segment(dict(zip(names, params)), *chunks, state, valid=valid, docs=docs)
         return _from_chunks(out, k.shape[1]), end
     return step
 
@@ -225,24 +294,75 @@ def segment_tokens(chunk_size: int) -> int:
     return SEGMENT_CHUNKS * chunk_size
 
 
-def recomputes(backward: str, n_tokens: int, wants_grad: bool) -> bool:
-    """Whether `backward` (auto / autograd / recompute) means the recomputing backward."""
+def recomputes(backward: str, n_tokens: int, wants_grad: bool, x: torch.Tensor | None = None) -> bool:
+    """Whether `backward` (auto / autograd / recompute / triton) means the recomputing backward
+    of the PyTorch form. `x`: a tensor on the core's device, for auto's choice of the kernel."""
     if backward == "auto":
-        return wants_grad and n_tokens >= RECOMPUTE_FROM_TOKENS
+        return wants_grad and n_tokens >= RECOMPUTE_FROM_TOKENS and not (x is not None and uses_triton("auto", x))
     return backward == "recompute"
+
+
+def _triton_kernels():
+    """ops/interdomain/triton_chunked.py, or None where triton is not installed (CPU installs)
+    or the module is not there (Hugging Face exports bundle only the PyTorch forms; importlib
+    rather than an import statement, which transformers would look for in the bundle)."""
+    try:
+        return importlib.import_module(".triton_chunked", __package__)
+    except (ImportError, TypeError):   # TypeError: no package (a flattened bundle)
+        return None
+
+
+def _triton_core():
+    kernels = _triton_kernels()
+    return None if kernels is None else kernels.triton_chunked_core
+
+
+def uses_triton(backward: str, x: torch.Tensor) -> bool:
+    """auto: the Triton kernel for CUDA tensors below float64 when triton is installed (it keeps
+    only its inputs for the backward, so it is also the memory-lean path there); triton: always,
+    with a clear error where it cannot run."""
+    if backward == "auto":
+        return x.is_cuda and x.dtype != torch.float64 and _triton_core() is not None
+    if backward != "triton":
+        return False
+    if _triton_core() is None:
+        raise ValueError("model.core_impl=triton needs the triton package, version 3.3 or newer: pip "
+                         "install 'megatron-id[triton]' (or choose model.core_impl=auto)")
+    if x.dtype == torch.float64:
+        raise ValueError("model.core_impl=triton computes in float32; float64 inputs need "
+                         "model.core_impl=autograd or recompute")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"model.core_impl=triton needs CUDA tensors (got {x.device}); on a CPU "
+                         "set TRITON_INTERPRET=1 before starting Python (slow: for tests) or "
+                         "choose model.core_impl=auto")
+    return True
 
 
 def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian",
                         c_vec=None, initial_state=None, output_final_state=False, chunk_size=64,
-                        backward="auto", segment_chunks=None):
+                        backward="auto", segment_chunks=None, seq_idx=None):
     """backward: "autograd" (all chunks at once, every intermediate kept), "recompute" (memory
-    bounded by one segment of `segment_chunks` chunks) or "auto" (recompute from
-    RECOMPUTE_FROM_TOKENS tokens on, and only when a gradient is needed)."""
-    if backward not in ("auto", "autograd", "recompute"):
-        raise ValueError(f"backward={backward!r}: expected 'auto', 'autograd' or 'recompute'")
+    bounded by one segment of `segment_chunks` chunks), "triton" (the fused kernels of
+    triton_chunked.py, float32 accumulation for any input dtype) or "auto" (triton for CUDA
+    tensors when it is installed; otherwise recompute from RECOMPUTE_FROM_TOKENS tokens on, and
+    only when a gradient is needed). seq_idx [B, N]: packed documents, as in naive.py."""
+    if backward not in ("auto", "autograd", "recompute", "triton"):
+        raise ValueError(f"backward={backward!r}: expected 'auto', 'autograd', 'recompute' or 'triton'")
     B, N, H, R = k.shape
     M = a_log.shape[-1]
     work = torch.float64 if k.dtype == torch.float64 else torch.float32
+    if N > 0 and uses_triton(backward, k):
+        # the kernel's chunk: the configured one when tl.dot can take it (a power of two >= 16),
+        # else the next that can; every chunk size computes the same function
+        T = _triton_kernels().kernel_chunk(chunk_size)
+        with torch.autocast(device_type=k.device.type, enabled=False):
+            tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
+                               chunk_size=T, dtype=torch.float32)
+            start = stack(initial_state, dim=-2).float() if initial_state is not None else \
+                k.new_zeros(B, H, 2 * M, R + v.shape[-1], dtype=torch.float32)
+            out, end = _triton_core()(q, k, v, tab, start, T, readout_scale(M),
+                                      starts=document_starts(seq_idx))
+        return out, (unstack(end, dim=-2) if output_final_state else None)
     with torch.autocast(device_type=k.device.type, enabled=False):
         tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
                            chunk_size=chunk_size, dtype=work)
@@ -252,15 +372,17 @@ def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="he
         valid = N - (n_chunks - 1) * chunk_size if output_final_state else None
         wants_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, initial_state, *tab.values()))
+        starts = document_starts(seq_idx)
         if recomputes(backward, N, wants_grad):
             names = tuple(tab)
             out, end = run_in_segments(core_step(names, chunk_size), list(tab.values()),
-                                       [None if x is None else x.to(work) for x in (q, k, v)], start,
+                                       [None if x is None else x.to(work) for x in (q, k, v)] + [starts], start,
                                        segment_tokens=segment_chunks * chunk_size if segment_chunks
                                        else segment_tokens(chunk_size))
         else:
             kc, vc = _to_chunks(k, chunk_size, work), _to_chunks(v, chunk_size, work)
             qc = None if q is None else _to_chunks(q, chunk_size, work)
-            out, end = _segment(tab, qc, kc, vc, start, valid=valid)
+            docs = None if starts is None else document_masks(_starts_to_chunks(starts, chunk_size), work)
+            out, end = _segment(tab, qc, kc, vc, start, valid=valid, docs=docs)
             out = _from_chunks(out, N)
         return out, (unstack(end, dim=-2) if output_final_state else None)

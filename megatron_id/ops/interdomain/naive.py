@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from .ssm import complex_dtype_for, discretize, readout_scale
+from .ssm import complex_dtype_for, discretize, document_starts, readout_scale
 
 
 def naive_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian",
-                      c_vec=None, initial_state=None, output_final_state=False):
+                      c_vec=None, initial_state=None, output_final_state=False, seq_idx=None):
+    """seq_idx [B, N] (packed documents, Megatron's reset_attention_mask): the state restarts
+    from zero wherever seq_idx changes from the previous token (see ssm.document_starts)."""
     B, N, H, R = k.shape
     M = a_log.shape[-1]
     cdt = complex_dtype_for(k.dtype)
@@ -31,9 +33,12 @@ def naive_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="herm
     C = torch.complex(c_re, c_im).to(cdt)
     X = initial_state if initial_state is not None else \
         torch.zeros(B, H, M, R + v.shape[-1], dtype=cdt, device=k.device)
+    starts = document_starts(seq_idx)
     outputs = []
     for t in range(N):
         z = torch.cat([k[:, t], v[:, t]], dim=-1).to(cdt)               # [B, H, P]
+        if starts is not None:                                           # a new document: forget
+            X = X * (~starts[:, t]).to(X.real.dtype)[:, None, None, None]
         X = lam[..., None] * X + bbar[..., None] * z[:, :, None, :]      # [B, H, M, P]
         U, Gam = C @ X[..., :R], C @ X[..., R:]                          # [B, H, M, R], [B, H, M, Dv]
         if q is None:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .ssm import complex_dtype_for, contraction_vector, discretize, readout_gram, readout_scale
+from .ssm import (complex_dtype_for, contraction_vector, discretize, document_starts, readout_gram,
+                  readout_scale)
 
 
 @dataclass
@@ -39,11 +40,14 @@ def step_tables(log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian", c_vec=N
                       readout == "hermitian", readout_scale(a_log.shape[-1]))
 
 
-def recurrent_step(state, q_t, k_t, v_t, tables: StepTables):
+def recurrent_step(state, q_t, k_t, v_t, tables: StepTables, start_t=None):
     """One token. state [B, H, M, P] complex; q_t, k_t [B, H, R] (q_t None for contraction);
-    v_t [B, H, Dv]. Returns (output [B, H, Dv] or [B, H, P], new state)."""
+    v_t [B, H, Dv]; start_t [B] bool or None: rows where this token starts a new document.
+    Returns (output [B, H, Dv] or [B, H, P], new state)."""
     R = k_t.shape[-1]
     z = torch.cat([k_t, v_t], dim=-1).to(state.dtype)
+    if start_t is not None:
+        state = state * (~start_t).to(state.real.dtype)[:, None, None, None]
     state = tables.lam[..., None] * state + tables.bbar[..., None] * z[:, :, None, :]
     if tables.contraction is not None:
         return (tables.contraction[:, None, :] @ state).squeeze(-2).real, state
@@ -55,18 +59,21 @@ def recurrent_step(state, q_t, k_t, v_t, tables: StepTables):
 
 
 def recurrent_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="hermitian",
-                          c_vec=None, initial_state=None, output_final_state=False, tables=None):
+                          c_vec=None, initial_state=None, output_final_state=False, tables=None,
+                          seq_idx=None):
     """Run `recurrent_step` over a whole sequence (same signature as the other forms).
-    `tables` may be passed in to skip rebuilding them (decode loops)."""
+    `tables` may be passed in to skip rebuilding them (decode loops); seq_idx as in naive.py."""
     B, N, H, R = k.shape
     if tables is None:
         tables = step_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
                              dtype=k.dtype)
     state = initial_state if initial_state is not None else torch.zeros(
         B, H, a_log.shape[-1], R + v.shape[-1], dtype=tables.lam.dtype, device=k.device)
+    starts = document_starts(seq_idx)
     outputs = []
     for t in range(N):
-        o, state = recurrent_step(state, None if q is None else q[:, t], k[:, t], v[:, t], tables)
+        o, state = recurrent_step(state, None if q is None else q[:, t], k[:, t], v[:, t], tables,
+                                  None if starts is None else starts[:, t])
         outputs.append(o)
     out = torch.stack(outputs, dim=1)
     return out, (state if output_final_state else None)

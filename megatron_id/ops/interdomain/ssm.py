@@ -75,3 +75,14 @@ def readout_scale(state_size: int) -> float:
     moves. tests/test_interdomain_forms.py::test_readout_scale_makes_output_independent_of_M.
     """
     return 1.0 / math.sqrt(state_size)
+
+
+def document_starts(seq_idx: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, N] document index per token (packed samples; Mamba's seq_idx) -> [B, N] bool, True
+    where a new document starts: the state is zeroed before that token is absorbed. Token 0
+    never starts one: an initial state (a previous call's) continues into its document."""
+    if seq_idx is None:
+        return None
+    starts = torch.zeros(seq_idx.shape, dtype=torch.bool, device=seq_idx.device)
+    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return starts

@@ -1,0 +1,101 @@
+"""Packed documents in a training sample, with Megatron-LM's three switches and meanings:
+
+    data.reset_attention_mask   no token reads another document: the interdomain / S4D state
+                                and the short convs restart at every document, softmax attention
+                                is block-diagonal causal (Megatron: --reset-attention-mask)
+    data.reset_position_ids     RoPE positions restart at 0 in every document (--reset-position-ids)
+    data.eod_mask_loss          no loss where the input token is the end-of-document token, i.e.
+                                for predicting the first token of the next document (--eod-mask-loss)
+
+All three are off by default, as in Megatron. Documents are found as Megatron finds them
+(get_ltor_masks_and_position_ids): a document ends with its EOD token, and the next one starts
+right after it. The EOD id is the data's own (the `.meta.json` sidecar preprocessing writes) or
+data.eod_token_id. The model receives `seq_idx` [B, N] (a document index per token, Mamba's
+name) and `position_ids` [B, N]; the loss a 0/1 mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..data.gpt_dataset import DataConfigError, parse_data_path
+from ..data.indexed_dataset import read_meta
+
+
+@dataclass(frozen=True)
+class DocumentOptions:
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    eod_id: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids or self.eod_mask_loss
+
+    @classmethod
+    def from_config(cls, data) -> "DocumentOptions":
+        """The data config's switches, with the EOD id resolved when any is on (an error naming
+        the prefix and the fix when it cannot be)."""
+        switches = dict(reset_attention_mask=bool(data.reset_attention_mask),
+                        reset_position_ids=bool(data.reset_position_ids), eod_mask_loss=bool(data.eod_mask_loss))
+        if not any(switches.values()):
+            return cls()
+        return cls(**switches, eod_id=resolve_eod_id(data))
+
+    def model_inputs(self, tokens: torch.Tensor) -> dict:
+        """The model's keyword arguments for input tokens [B, N] (empty when nothing is on)."""
+        if not (self.reset_attention_mask or self.reset_position_ids):
+            return {}
+        seq_idx, position_ids = document_index(tokens, self.eod_id)
+        return {**({"seq_idx": seq_idx} if self.reset_attention_mask else {}),
+                **({"position_ids": position_ids} if self.reset_position_ids else {})}
+
+    def loss_mask(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """[B, N] float, 0 where the input token is EOD (None when eod_mask_loss is off)."""
+        return (tokens != self.eod_id).float() if self.eod_mask_loss else None
+
+
+def document_index(tokens: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_idx, position_ids), both [B, N] int64: the document each token belongs to (counting
+    the EOD tokens before it) and its position inside that document."""
+    eod = tokens == eod_id
+    seq_idx = torch.cumsum(eod, dim=-1) - eod.long()                  # EODs strictly before t
+    positions = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    after_eod = torch.zeros_like(eod)
+    after_eod[:, 1:] = eod[:, :-1]
+    first = torch.cummax(torch.where(after_eod, positions, 0), dim=-1).values   # the document's first token
+    return seq_idx, positions - first
+
+
+def masked_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The loss over the tokens that count (Megatron: sum(loss * mask) / sum(mask)); a
+    micro-batch with none counts zero rather than dividing by zero."""
+    if mask is None:
+        return per_token.mean()
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp_min(1)
+
+
+def resolve_eod_id(data) -> int:
+    """data.eod_token_id, else the EOD id every prefix's sidecar records (they must agree)."""
+    if data.eod_token_id is not None:
+        return int(data.eod_token_id)
+    found = {}
+    for _, prefix in parse_data_path(data.data_path):
+        meta = read_meta(prefix) or {}
+        found[prefix] = meta.get("eod_id")
+    ids = set(found.values())
+    if None in ids or not ids:
+        unknown = [p for p, i in found.items() if i is None] or list(data.data_path)
+        raise DataConfigError(
+            f"data.reset_attention_mask / reset_position_ids / eod_mask_loss need the end-of-document "
+            f"token id, and {unknown[0]}.meta.json does not record one (the data was written without "
+            f"--append-eod, or by another tool): set data.eod_token_id=<id> (50256 for GPT-2's "
+            f"<|endoftext|>), or preprocess with --append-eod.")
+    if len(ids) > 1:
+        raise DataConfigError(f"the data prefixes record different end-of-document ids "
+                              f"({', '.join(f'{p}: {i}' for p, i in found.items())}): set data.eod_token_id "
+                              f"to the one to use, or blend data written with one tokenizer.")
+    return ids.pop()
