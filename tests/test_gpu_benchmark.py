@@ -22,15 +22,17 @@ spec.loader.exec_module(gpu)
 
 def cpu_env():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)   # test_triton_core.py sets it: the interpreter takes minutes here
+    env.pop("TRITON_INTERPRET", None)   # tests/conftest.py sets it: the interpreter takes minutes here
     return env
 
 
 def trainer_mfu(monkeypatch, cfg, tokens_per_step: int, seconds: float) -> dict:
     """What Metrics.step logs for one step of `seconds` on one device."""
     from megatron_id.training import metrics
-    m = metrics.Metrics(cfg, SimpleNamespace(tensor=1, pipe=1, data=1, tokens_per_step=tokens_per_step,
-                                             train_iters=10), is_logger=False)
+    from megatron_id.training.layout import Layout
+    one_device = Layout(tensor=1, pipe=1, data=1, micro_batch_size=1, gradient_accumulation=1,
+                        global_batch_size=1, tokens_per_step=tokens_per_step, train_iters=10)
+    m = metrics.Metrics(cfg, one_device, is_logger=False)
     now = 1000.0
     monkeypatch.setattr(metrics, "time", SimpleNamespace(time=lambda: now))
     m.last = now - seconds
