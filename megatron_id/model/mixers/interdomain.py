@@ -188,7 +188,7 @@ class InterdomainMixer(nn.Module):
         # segments' functional calls bypass: there only the core recomputes, see _core)
         zero3 = hasattr(self.o_proj.weight, "ds_id")
         if self.context_parallel is not None and state is None and start is None and not return_state:
-            o, ssm = self._context_parallel_core(projected, seq_idx, position_ids), None
+            o, ssm = self._context_parallel_core(projected, seq_idx, starts, position_ids), None
         elif state is None and start is None and not return_state and self.form == "chunked" and \
                 not zero3 and recomputes(self.core_impl, x.shape[1], wants_grad, x):
             o = self._recomputed_core(projected, starts, position_ids)
@@ -205,7 +205,7 @@ class InterdomainMixer(nn.Module):
         return y, {"ssm": ssm, "conv": conv_out, "pos": pos + x.shape[1],
                    "tables": state.get("tables") if state else None}
 
-    def _context_parallel_core(self, projected, seq_idx, position_ids):
+    def _context_parallel_core(self, projected, seq_idx, starts, position_ids):
         """This rank's block of a sequence split over the context-parallel group
         (parallel/context_parallel.py): the convs read the previous block's last K-1 inputs, the
         core starts from the state the earlier blocks leave (their end states, combined)."""
@@ -220,8 +220,7 @@ class InterdomainMixer(nn.Module):
             tail = cp.previous_tail(x, self.conv_kernel - 1).transpose(1, 2)   # [B, C, K-1], the conv's state
             conv_in[name] = tail if keep_rows is None else tail * keep_rows[:, None, None]
         rope_offset = cp.rank * block if position_ids is None else position_ids
-        query, key, value = self._features(*projected, conv_in, {}, rope_offset, None,
-                                           starts=document_starts(seq_idx))
+        query, key, value = self._features(*projected, conv_in, {}, rope_offset, None, starts=starts)
         log_dt, a_log, a_im = self.core_parameters()[:3]
         end = block_end_state(key, value, log_dt, a_log, a_im, chunk_size=self.chunk_size, seq_idx=seq_idx)
         survives = None
