@@ -10,7 +10,10 @@
 # Run it first on any machine with a GPU; it exits non-zero when a step fails.
 #
 # NPROC (default 1) GPUs on this node, one process each. SMOKE_DEVICE=cpu runs the same steps
-# on the CPU with gloo (how CI tests this script on machines without a GPU).
+# on the CPU with gloo (how CI tests this script on machines without a GPU). SMOKE_OVERRIDES:
+# more key=value items for the model (launch/gpu_check.sh trains head_dim 64 and M 64 with
+# "model.d_model=256 model.n_heads=4 model.state_size=64": the tiny config alone compiles
+# kernels no shipped config uses).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,6 +64,8 @@ TRAIN=(-m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m megatr
        optimizer.warmup_tokens=256 train.eval_interval=2 train.eval_iters=1 train.log_interval=1
        train.save_interval=2 "train.save=$OUT/checkpoints" "train.load=$OUT/checkpoints"
        train.collective_timeout_minutes=5)
+# shellcheck disable=SC2206  # word splitting of the override list is the point
+TRAIN+=(${SMOKE_OVERRIDES:-})
 TOKENS_PER_STEP=$((2 * NPROC * 64))
 
 step preprocess "$PYTHON" -m data_tools.preprocess --input tests/data/fineweb-edu-sample-150.jsonl \

@@ -7,6 +7,7 @@
     megatron-id import-hf --input runs/x/hf --output runs/y/checkpoints --tensor-parallel 2
     megatron-id generate --checkpoint runs/x/hf --prompt "The water cycle" --max-new-tokens 50
     megatron-id check-checkpoint runs/x/checkpoints [--all]
+    megatron-id kernel-resources --config configs/model/1p3b.yaml [--arch sm_80 sm_90]
 """
 from __future__ import annotations
 
@@ -152,11 +153,19 @@ def cmd_import_hf(args) -> int:
 
 def cmd_generate(args) -> int:
     from .errors import BadOptionError
-    from .generation import check_options, generate_ids, load_model_and_tokenizer, stream_text
+    from .generation import check_options, generate_ids, load_model_and_tokenizer, resolve_device, stream_text
     import torch
     # option values first: a bad one fails before the model is loaded
     check_options(args.max_new_tokens, args.temperature, args.top_k, args.prefill_chunk_size)
+    device = resolve_device(args.device)
+    if args.cuda_graph and device.type != "cuda":
+        raise BadOptionError(f"--cuda-graph needs a CUDA device; --device is {device}: drop --cuda-graph "
+                             "or give --device cuda.")
     model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
+    if args.cuda_graph and model.cfg.mixer.value == "softmax":
+        raise BadOptionError("--cuda-graph needs fixed-size states: this checkpoint's softmax mixer keeps "
+                             "a growing KV cache; drop --cuda-graph.")
+    model.to(device)
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
         raise BadOptionError(f"--prompt {args.prompt!r} gives no tokens: give a prompt with some text.")
@@ -164,7 +173,8 @@ def cmd_generate(args) -> int:
     stream_text(tokenizer, generate_ids(
         model, prompt, args.max_new_tokens, eos_id=None if args.ignore_eos else eos,
         temperature=args.temperature, top_k=args.top_k, prefill_chunk_size=args.prefill_chunk_size,
-        generator=torch.Generator().manual_seed(args.seed)))
+        generator=torch.Generator(device=device).manual_seed(args.seed),
+        decode="graph" if args.cuda_graph else "eager"))
     sys.stdout.write("\n")
     return 0
 
@@ -268,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_params)
     sub.add_parser("preprocess", help="tokenize a corpus into .bin/.idx (see --help of it)")
+    sub.add_parser("kernel-resources", help="compile the Triton core for sm_80 / sm_90 here and report shared "
+                                            "memory, registers, spills, tensor cores (see --help of it)")
     t = sub.add_parser("train", help="train with DeepSpeed (launch with torchrun / srun / deepspeed)",
                        allow_abbrev=False)
     _add_config_args(t)
@@ -308,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk-size", type=int, default=2048)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--tokenizer")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="replay each decode step as a CUDA graph (interdomain / S4D models on CUDA)")
     g.set_defaults(func=cmd_generate)
     cc = sub.add_parser("convert-checkpoint", allow_abbrev=False,
                         help="copy a ZeRO-0/1/2 checkpoint with its optimizer state made loadable at any layout")
@@ -355,6 +370,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["preprocess"]:   # its own flags (Megatron's names), so hand over whole
         from data_tools.preprocess import main as preprocess_main
         return preprocess_main(argv[1:], debug=debug)
+    if argv[:1] == ["kernel-resources"]:   # its own parser (ops/interdomain/resources.py)
+        from .ops.interdomain.resources import main as resources_main
+        return run_guarded("megatron-id kernel-resources", lambda: resources_main(argv[1:]), debug=debug)
     args = build_parser().parse_args(argv)
     return run_guarded("megatron-id", lambda: args.func(args), debug=debug)
 

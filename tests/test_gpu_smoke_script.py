@@ -1,27 +1,19 @@
-"""launch/gpu_smoke.sh, the first command on any GPU machine, run on the CPU (SMOKE_DEVICE=cpu):
-every step of the user path passes, and it refuses to write into a folder that holds anything."""
+"""launch/gpu_smoke.sh, the user path on a GPU in a few minutes: it refuses to write into a folder
+that holds anything. Its steps run on the CPU inside launch/gpu_check.sh's dry run."""
 import os
 import subprocess
 
-import pytest
-
 from conftest import ROOT
 
-STEPS = ["preprocess", "train", "train-checkpoint", "resume", "resume-continues-at-step-5",
-         "check-checkpoint", "export-hf", "generate", "hf-bf16-keeps-ssm-fp32"]
 
-
-@pytest.mark.slow
-def test_gpu_smoke_script_passes_every_step_on_the_cpu(tmp_path):
+def test_gpu_smoke_script_refuses_a_folder_that_holds_anything(tmp_path):
+    """Its steps pass on the CPU inside launch/gpu_check.sh's dry run
+    (tests/test_gpu_readiness.py::test_gpu_check_dry_run_passes_every_step checks each of them)."""
     env = {**os.environ, "SMOKE_DEVICE": "cpu", "PYTHON": "python"}
     out = tmp_path / "smoke"
-    done = subprocess.run(["bash", "launch/gpu_smoke.sh", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    for name in STEPS:
-        assert f"PASS  {name} (" in done.stdout, (name, done.stdout[-3000:])
-    assert done.stdout.strip().splitlines()[-1] == "gpu_smoke: PASS"
-    assert (out / "checkpoints" / "latest").read_text() == "iter_0000006"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
     again = subprocess.run(["bash", "launch/gpu_smoke.sh", str(out)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
+    assert (out / "notes.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]

@@ -492,10 +492,12 @@ def check_args(args) -> None:
     for option, value, ok in rules:
         if not ok:
             raise EvalError(f"{option} {value} is out of range.")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise EvalError(f"--device {args.device}: no CUDA device here; use --device cpu.")
+    from ..errors import BadOptionError
+    from ..generation import resolve_device
+    try:
+        args.device = resolve_device(args.device)
+    except BadOptionError as error:
+        raise EvalError(str(error)) from None
 
 
 def command(args) -> int:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -302,13 +303,19 @@ def recomputes(backward: str, n_tokens: int, wants_grad: bool, x: torch.Tensor |
     return backward == "recompute"
 
 
+_TRITON_IMPORT_ERROR: list = []   # why _triton_kernels() found no kernels, for auto's warning
+
+
 def _triton_kernels():
     """ops/interdomain/triton_chunked.py, or None where triton is not installed (CPU installs)
     or the module is not there (Hugging Face exports bundle only the PyTorch forms; importlib
     rather than an import statement, which transformers would look for in the bundle)."""
     try:
         return importlib.import_module(".triton_chunked", __package__)
-    except (ImportError, TypeError):   # TypeError: no package (a flattened bundle)
+    except (ImportError, TypeError) as error:   # TypeError: no package (a flattened bundle)
+        if not _TRITON_IMPORT_ERROR:
+            _TRITON_IMPORT_ERROR.append(str(error).splitlines()[0] if isinstance(error, ImportError)
+                                        else "the Triton kernels are not part of this copy of the model code")
         return None
 
 
@@ -317,12 +324,36 @@ def _triton_core():
     return None if kernels is None else kernels.triton_chunked_core
 
 
+_WARNED: set = set()
+
+
+def _fall_back(reason: str) -> None:
+    """core_impl=auto on a GPU without a usable kernel: say why, once per reason."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"model.core_impl=auto: {reason}; the interdomain core uses the PyTorch "
+                      "chunked form instead (slower, more memory)", RuntimeWarning, stacklevel=3)
+
+
+def _kernel_candidate(x: torch.Tensor) -> bool:
+    """Tensors auto gives the Triton kernel: CUDA, below float64 (tests widen it to the
+    interpreter's CPU tensors)."""
+    return x.is_cuda and x.dtype != torch.float64
+
+
 def uses_triton(backward: str, x: torch.Tensor) -> bool:
     """auto: the Triton kernel for CUDA tensors below float64 when triton is installed (it keeps
-    only its inputs for the backward, so it is also the memory-lean path there); triton: always,
-    with a clear error where it cannot run."""
+    only its inputs for the backward, so it is also the memory-lean path there; a GPU without
+    triton warns once); triton: always, with a clear error where it cannot run. Whether the
+    kernels fit this GPU at the call's shape is checked at the call (chunked_interdomain)."""
     if backward == "auto":
-        return x.is_cuda and x.dtype != torch.float64 and _triton_core() is not None
+        if not _kernel_candidate(x):
+            return False
+        if _triton_core() is None:
+            _fall_back(f"no Triton kernels ({_TRITON_IMPORT_ERROR[0] if _TRITON_IMPORT_ERROR else 'not found'}; "
+                       "pip install 'megatron-id[triton]' for triton >= 3.3)")
+            return False
+        return True
     if backward != "triton":
         return False
     if _triton_core() is None:
@@ -352,17 +383,25 @@ def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="he
     M = a_log.shape[-1]
     work = torch.float64 if k.dtype == torch.float64 else torch.float32
     if N > 0 and uses_triton(backward, k):
+        kernels = _triton_kernels()
         # the kernel's chunk: the configured one when tl.dot can take it (a power of two >= 16),
         # else the next that can; every chunk size computes the same function
-        T = _triton_kernels().kernel_chunk(chunk_size)
+        T = kernels.kernel_chunk(chunk_size)
+        autocast = torch.is_autocast_enabled(k.device.type)   # the dot precision follows it
         with torch.autocast(device_type=k.device.type, enabled=False):
             tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
                                chunk_size=T, dtype=torch.float32)
             start = stack(initial_state, dim=-2).float() if initial_state is not None else \
                 k.new_zeros(B, H, 2 * M, R + v.shape[-1], dtype=torch.float32)
-            out, end = _triton_core()(q, k, v, tab, start, T, readout_scale(M),
-                                      starts=document_starts(seq_idx))
-        return out, (unstack(end, dim=-2) if output_final_state else None)
+            try:
+                out, end = kernels.triton_chunked_core(q, k, v, tab, start, T, readout_scale(M),
+                                                       starts=document_starts(seq_idx), autocast=autocast)
+                return out, (unstack(end, dim=-2) if output_final_state else None)
+            except kernels.KernelUnavailable as error:
+                if backward == "triton":
+                    raise ValueError(f"model.core_impl=triton: {error} (model.core_impl=auto falls back "
+                                     "to the PyTorch form)") from None
+                _fall_back(str(error))   # then the PyTorch form below, as auto chooses it there
     with torch.autocast(device_type=k.device.type, enabled=False):
         tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
                            chunk_size=chunk_size, dtype=work)
