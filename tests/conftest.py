@@ -41,3 +41,26 @@ def fineweb_prefix(tmp_path_factory):
                        "--tokenizer", str(ROOT / "tests/data/gpt2-tokenizer.json"),
                        "--output-prefix", str(out), "--append-eod", "--no-progress"]) == 0
     return f"{out}_text_document"
+
+
+@pytest.fixture(scope="session")
+def kernel_compile_env(tmp_path_factory):
+    """The environment of a subprocess that compiles the Triton kernels for a GPU (never under
+    the interpreter), with one Triton cache for the session."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # triton 3.9's default, without its warning
+    return env
+
+
+@pytest.fixture(scope="session")
+def gpu_check_dry_run(kernel_compile_env, tmp_path_factory):
+    """`bash launch/gpu_check.sh --dry-run` once per session: (completed process, its folder).
+    tests/test_gpu_readiness.py checks its steps, tests/test_gpu_benchmark.py the benchmark's
+    tables it printed (benchmarks/gpu.py --device cpu --quick)."""
+    import subprocess
+    out = tmp_path_factory.mktemp("gpu-check") / "check"
+    done = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", str(out)], cwd=ROOT,
+                          env={**kernel_compile_env, "PYTHON": sys.executable}, capture_output=True,
+                          text=True, timeout=900, stdin=subprocess.DEVNULL)
+    return done, out

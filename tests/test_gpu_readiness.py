@@ -26,11 +26,8 @@ KERNELS = {"walk_forward", "walk_backward", "carry_backward", "query_forward", "
 
 
 @pytest.fixture(scope="session")
-def compile_env(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # triton 3.9's default, without its warning
-    return env
+def compile_env(kernel_compile_env):
+    return kernel_compile_env
 
 
 def run(cmd, env, timeout=600, **kw):
@@ -146,14 +143,13 @@ SMOKE_STEPS = ["preprocess", "train", "train-checkpoint", "resume", "resume-cont
 
 
 @pytest.mark.slow
-def test_gpu_check_dry_run_passes_every_step(compile_env, tmp_path):
+def test_gpu_check_dry_run_passes_every_step(compile_env, gpu_check_dry_run):
     """launch/gpu_check.sh --dry-run: every step on the CPU (the kernel against the float64 form
     under the interpreter, gpu_smoke.sh at head_dim 64 and M 64 in CPU mode with all its own
     steps, TP=2 + SP and CP=2 on two gloo processes against TP=1, the static decode step against
-    the eager one, benchmarks/gpu.py --quick); then it refuses to write into a used folder."""
-    out = tmp_path / "check"
-    done = run(["bash", "launch/gpu_check.sh", "--dry-run", out], {**compile_env, "PYTHON": sys.executable},
-               timeout=900)
+    the eager one, benchmarks/gpu.py --quick: its tables are tests/test_gpu_benchmark.py's);
+    then it refuses to write into a used folder."""
+    done, out = gpu_check_dry_run
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     for name in ("resources", "kernel", "smoke", "layouts", "decode", "benchmark"):
         assert f"PASS  {name} (" in done.stdout, (name, done.stdout[-4000:])

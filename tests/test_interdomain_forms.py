@@ -48,13 +48,15 @@ def form_options(form, chunk_size):
         return "chunked", dict(chunk_size=chunk_size, backward="autograd")
     if form == "recompute":
         return "chunked", dict(chunk_size=chunk_size, backward="recompute", segment_chunks=2)
-    if form == "triton":   # tests/test_triton_core.py, under TRITON_INTERPRET=1
-        return "chunked", dict(chunk_size=chunk_size, backward="triton")
+    if form in ("triton", "auto"):   # tests/test_triton_core.py, under TRITON_INTERPRET=1
+        return "chunked", dict(chunk_size=chunk_size, backward=form)
     return form, {}
 
 
-def run_form(form, tensors, state, readout, chunk_size):
+def run_form(form, tensors, state, readout, chunk_size, seq_idx=None):
     form, kw = form_options(form, chunk_size)
+    if seq_idx is not None:   # packed documents
+        kw["seq_idx"] = seq_idx
     out, final = FORMS[form](tensors["q"], tensors["k"], tensors["v"], tensors["log_dt"],
                              tensors["a_log"], tensors["a_im"], tensors["c_re"], tensors["c_im"],
                              readout=readout, c_vec=tensors.get("c_vec"), initial_state=state,

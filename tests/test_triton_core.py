@@ -115,23 +115,6 @@ def _documents(B, N, seed):
     return starts.cumsum(-1)
 
 
-def _run(tensors, state, readout, chunk, seq_idx, form, backward=None):
-    """run_form with packed documents: out, final state and every gradient."""
-    from megatron_id.ops.interdomain import FORMS
-    kw = dict(chunk_size=chunk, backward=backward) if form == "chunked" else {}
-    out, final = FORMS[form](tensors["q"], tensors["k"], tensors["v"], tensors["log_dt"], tensors["a_log"],
-                             tensors["a_im"], tensors["c_re"], tensors["c_im"], readout=readout,
-                             c_vec=tensors.get("c_vec"), initial_state=state, output_final_state=True,
-                             seq_idx=seq_idx, **kw)
-    g = torch.Generator().manual_seed(99)
-    weight = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
-    w_state = torch.randn(final.shape, generator=g, dtype=torch.complex128).to(final.dtype)
-    loss = (out * weight).sum() + (final * w_state).real.sum()
-    names = [n for n, t in tensors.items() if t is not None and t.requires_grad]
-    grads = torch.autograd.grad(loss, [tensors[n] for n in names])
-    return out, final, dict(zip(names, grads))
-
-
 @pytest.mark.parametrize("readout,documents,precision", [
     ("hermitian", True, "tf32"), ("hermitian", False, "tf32x3"),
     ("contraction", True, "tf32"), ("contraction", True, "tf32x3")])
@@ -149,8 +132,8 @@ def test_production_tile_equals_naive_at_each_dot_precision(monkeypatch, precisi
               .requires_grad_() for n, t in tensors.items()}
     seq_idx = _documents(tensors["k"].shape[0], 160, 0) if documents else None
     mode = "hermitian"
-    ref = _run(ref_in, ref_in["initial_state"], mode, 64, seq_idx, "naive")
-    got = _run(tensors, state, mode, 64, seq_idx, "chunked", backward="triton")
+    ref = run_form("naive", ref_in, ref_in["initial_state"], mode, 64, seq_idx)
+    got = run_form("triton", tensors, state, mode, 64, seq_idx)
     tol = TOLERANCE[precision]
     _close(got[0], ref[0], tol, "output")
     _close(got[1], ref[1], tol, "final state")
@@ -184,8 +167,8 @@ def test_two_backward_passes_give_bitwise_equal_gradients(readout):
                                  contraction=readout == "contraction", with_state=True)
     tensors["initial_state"] = state = state.to(torch.complex64).requires_grad_()
     seq_idx = _documents(2, 90, 0)
-    first = _run(tensors, state, "hermitian", 16, seq_idx, "chunked", backward="triton")
-    second = _run(tensors, state, "hermitian", 16, seq_idx, "chunked", backward="triton")
+    first = run_form("triton", tensors, state, "hermitian", 16, seq_idx)
+    second = run_form("triton", tensors, state, "hermitian", 16, seq_idx)
     for name in first[2]:
         assert torch.equal(first[2][name], second[2][name]), name
     assert {"log_dt", "a_log", "a_im", "c_re", "c_im"} <= set(first[2])
@@ -219,8 +202,8 @@ def test_auto_falls_back_with_one_warning_when_a_kernel_cannot_launch(simulated_
     ref = run_form("chunked", tensors, None, "hermitian", 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = _run(tensors, None, "hermitian", 16, None, "chunked", backward="auto")
-        second = _run(tensors, None, "hermitian", 16, None, "chunked", backward="auto")
+        first = run_form("auto", tensors, None, "hermitian", 16)
+        second = run_form("auto", tensors, None, "hermitian", 16)
     messages = [str(w.message) for w in caught if "core_impl=auto" in str(w.message)]
     assert len(messages) == 1, messages
     assert "query_backward_dv" in messages[0] and "232448" in messages[0] and "PyTorch" in messages[0]

@@ -212,6 +212,18 @@ def _lag_view(x, t):
 # Offsets: every program id and chunk counter is int64 before it meets a stride, so no
 # product passes 2^31 (a 1.3B micro-batch of 1M tokens has 2^36-byte state buffers).
 
+@triton.jit
+def _walk_program(n_chunks, H, D, T: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """A walk program's (batch x head) id, int64, the chunk count as int64, batch and head, its
+    modes m, the chunk's positions t, its state columns d and the offsets of its block of the
+    stacked [2M, D] state (re rows, im rows)."""
+    bh = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
+    d = tl.program_id(2).to(tl.int64) * BD + tl.arange(0, BD)
+    return (bh, n_chunks.to(tl.int64), bh // H, bh % H, m, tl.arange(0, T), d,
+            m[:, None] * D + d[None, :], (M + m[:, None]) * D + d[None, :])
+
+
 @triton.jit(do_not_specialize=["N", "n_chunks", "H"])
 def _walk_forward(x_ptr, sx_b, sx_n, sx_h, add_ptr, lam_re_ptr, lam_im_ptr, pow_re_ptr, pow_im_ptr,
                   start_ptr, states_ptr, starts_ptr, N, n_chunks, H, D,
@@ -220,20 +232,11 @@ def _walk_forward(x_ptr, sx_b, sx_n, sx_h, add_ptr, lam_re_ptr, lam_im_ptr, pow_
     pow_* [H, T, M] (lambda^{i+1}); start [B, H, 2M, D]; states [B, H, n + 1, 2M, D]: the state
     entering each chunk, then the exact state after token N (the last chunk may be partial).
     starts [B, N] int8 marks tokens that begin a packed document (_document_carry)."""
-    bh = tl.program_id(0).to(tl.int64)
-    mb = tl.program_id(1).to(tl.int64)
-    db = tl.program_id(2).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
-    m = mb * BM + tl.arange(0, BM)
-    t = tl.arange(0, T)
-    d = db * BD + tl.arange(0, BD)
+    bh, n64, b, h, m, t, d, rows_re, rows_im = _walk_program(n_chunks, H, D, T=T, M=M, BM=BM, BD=BD)
     a_re = tl.load(add_ptr + h * 2 * M * T + m[:, None] * T + t[None, :])
     a_im = tl.load(add_ptr + h * 2 * M * T + (M + m[:, None]) * T + t[None, :])
     l_re = tl.load(lam_re_ptr + h * M + m)[:, None]
     l_im = tl.load(lam_im_ptr + h * M + m)[:, None]
-    rows_re = m[:, None] * D + d[None, :]
-    rows_im = (M + m[:, None]) * D + d[None, :]
     s_re = tl.load(start_ptr + bh * 2 * M * D + rows_re)
     s_im = tl.load(start_ptr + bh * 2 * M * D + rows_im)
     out = states_ptr + bh * (n64 + 1) * 2 * M * D
@@ -273,16 +276,7 @@ def _walk_backward(grad_ptr, dend_ptr, dstart_ptr, lam_re_ptr, lam_im_ptr, pow_r
         G_c = local_c + conj(f_c) (.) G_{c+1},   G_n = dend,  f_c = keep_c lambda^T
     (lambda^valid for the last chunk). grad [B, H, n, 2M, D] holds local_c on entry and
     G_{c+1} on exit (in place: _carry_backward reads it); dstart = G_0."""
-    bh = tl.program_id(0).to(tl.int64)
-    mb = tl.program_id(1).to(tl.int64)
-    db = tl.program_id(2).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
-    m = mb * BM + tl.arange(0, BM)
-    t = tl.arange(0, T)
-    d = db * BD + tl.arange(0, BD)
-    rows_re = m[:, None] * D + d[None, :]
-    rows_im = (M + m[:, None]) * D + d[None, :]
+    bh, n64, b, h, m, t, d, rows_re, rows_im = _walk_program(n_chunks, H, D, T=T, M=M, BM=BM, BD=BD)
     g_re = tl.load(dend_ptr + bh * 2 * M * D + rows_re)
     g_im = tl.load(dend_ptr + bh * 2 * M * D + rows_im)
     grads = grad_ptr + bh * n64 * 2 * M * D
@@ -317,10 +311,7 @@ def _carry_backward(x_ptr, sx_b, sx_n, sx_h, dx_ptr, add_ptr, states_ptr, grad_p
         dx_c += last_c add_in^T G         (dx [B, N, H, D] fp32 contiguous: the outputs' part in)
         dadd [B, H, n, 2M, T] = G (last_c z_c)^T,   dfac [B, H, n, 2M] = sum_d G conj(S_c) keep_c
     (re and im stacked); torch sums them over batch and chunks (no atomics: deterministic)."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
+    bh, c, n64, b, h = _chunk_program(n_chunks, H)
     t = tl.arange(0, T)
     m = tl.arange(0, M)
     valid = tl.minimum(N - c * T, T)
@@ -424,6 +415,28 @@ def _query_weights(r_re, r_im, enter, same, lag_ptr, pow_re_ptr, pow_im_ptr, h,
     return u_re, u_im, weights * same
 
 
+@triton.jit
+def _chunk_program(n_chunks, H):
+    """A per-chunk program's (batch x head, chunk) ids, int64 before they meet a stride, the
+    chunk count as int64, and the batch and head."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    return bh, c, n_chunks.to(tl.int64), bh // H, bh % H
+
+
+@triton.jit
+def _query_recompute(q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_k_ptr, lag_ptr, pow_re_ptr,
+                     pow_im_ptr, gram_ptr, starts_ptr, N, n64, b, h, bh, c, R,
+                     T: tl.constexpr, M: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+    """A chunk of the query readout from its inputs up to r (_query_scores, _query_readout)."""
+    a_re, a_im, scores, enter, same = _query_scores(
+        q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_k_ptr, starts_ptr, N, n64, b, h, bh, c, R,
+        T=T, M=M, BR=BR, PREC=PREC)
+    p_re, p_im, r_re, r_im = _query_readout(a_re, a_im, scores, lag_ptr, pow_re_ptr, pow_im_ptr, gram_ptr, h,
+                                            T=T, M=M, PREC=PREC)
+    return a_re, a_im, scores, enter, same, p_re, p_im, r_re, r_im
+
+
 @triton.jit(do_not_specialize=["N", "n_chunks", "H"])
 def _query_forward(q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, v_ptr, sv_b, sv_n, sv_h,
                    out_ptr, so_b, so_n, so_h, states_k_ptr, states_v_ptr,
@@ -431,15 +444,10 @@ def _query_forward(q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, v_ptr, sv_b
                    T: tl.constexpr, M: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
     """One chunk of the query readout: out = (Re((r (.) conj w)^T S_v) + W v) * scale, Dv in
     blocks of BDV columns."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
-    a_re, a_im, scores, enter, same = _query_scores(
-        q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_k_ptr, starts_ptr, N, n64, b, h, bh, c, R,
-        T=T, M=M, BR=BR, PREC=PREC)
-    p_re, p_im, r_re, r_im = _query_readout(a_re, a_im, scores, lag_ptr, pow_re_ptr, pow_im_ptr, gram_ptr, h,
-                                            T=T, M=M, PREC=PREC)
+    bh, c, n64, b, h = _chunk_program(n_chunks, H)
+    a_re, a_im, scores, enter, same, p_re, p_im, r_re, r_im = _query_recompute(
+        q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_k_ptr, lag_ptr, pow_re_ptr, pow_im_ptr,
+        gram_ptr, starts_ptr, N, n64, b, h, bh, c, R, T=T, M=M, BR=BR, PREC=PREC)
     u_re, u_im, weights = _query_weights(r_re, r_im, enter, same, lag_ptr, pow_re_ptr, pow_im_ptr, h,
                                          T=T, M=M, PREC=PREC)
     t = tl.arange(0, T)
@@ -469,15 +477,10 @@ def _query_backward_dv(q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, v_ptr, 
     Writes dv (the outputs' part) [B, N, H, Dv], local_v [B, H, n, 2M, Dv], and per chunk
     [B, H, n, T, 2M]: p and dr (for _query_backward_dq and the gram gradient), and this side's
     parts of d lag (dW^T r) and d pow (du (.) conj-rotated r)."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
-    a_re, a_im, scores, enter, same = _query_scores(
-        q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_k_ptr, starts_ptr, N, n64, b, h, bh, c, R,
-        T=T, M=M, BR=BR, PREC=PREC)
-    p_re, p_im, r_re, r_im = _query_readout(a_re, a_im, scores, lag_ptr, pow_re_ptr, pow_im_ptr, gram_ptr, h,
-                                            T=T, M=M, PREC=PREC)
+    bh, c, n64, b, h = _chunk_program(n_chunks, H)
+    a_re, a_im, scores, enter, same, p_re, p_im, r_re, r_im = _query_recompute(
+        q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_k_ptr, lag_ptr, pow_re_ptr, pow_im_ptr,
+        gram_ptr, starts_ptr, N, n64, b, h, bh, c, R, T=T, M=M, BR=BR, PREC=PREC)
     t = tl.arange(0, T)
     m = tl.arange(0, M)
     part = (bh * n64 + c) * T * 2 * M + t[:, None] * 2 * M + m[None, :]
@@ -529,10 +532,7 @@ def _query_backward_dq(q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_
         local_k = da^T q,  dq = d scores @ k + da @ S_k,  dk = d scores^T q
     and this side's parts of d lag (scores^T dp) and d pow (dp (.) a), into their own
     [B, H, n, T, 2M] slots (the value side's are summed with them by torch)."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
+    bh, c, n64, b, h = _chunk_program(n_chunks, H)
     a_re, a_im, scores, enter, same = _query_scores(
         q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_k_ptr, starts_ptr, N, n64, b, h, bh, c, R,
         T=T, M=M, BR=BR, PREC=PREC)
@@ -574,17 +574,10 @@ def _query_backward_dq(q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_
 
 # ---------------------------------------------------- the linear contraction readout (S4D)
 
-@triton.jit(do_not_specialize=["N", "n_chunks", "H"])
-def _contraction_forward(x_ptr, sx_b, sx_n, sx_h, out_ptr, so_b, so_n, so_h, states_ptr,
-                         ent_ptr, kern_ptr, starts_ptr, N, n_chunks, H, D,
-                         T: tl.constexpr, M: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    """Linear contraction readout for one input (k or v) and chunk: out = E @ S_c + Kern @ x_c,
-    E = tab["entering"] [H, T, 2M] (masked by enter), Kern = tab["kernel"] [H, T, T] (S4D's
-    causal kernel, masked by same)."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
+@triton.jit
+def _contraction_chunk(ent_ptr, kern_ptr, starts_ptr, N, b, h, c, T: tl.constexpr, M: tl.constexpr):
+    """One chunk's index tiles, document masks and readout tables: E = tab["entering"]
+    [T, 2M] (re, im; masked by enter) and Kern = tab["kernel"] [T, T] (masked by same)."""
     t = tl.arange(0, T)
     m = tl.arange(0, M)
     tok = (c * T + t)[:, None]
@@ -594,6 +587,19 @@ def _contraction_forward(x_ptr, sx_b, sx_n, sx_h, out_ptr, so_b, so_n, so_h, sta
     e_re = tl.load(ent_ptr + et) * enter[:, None]
     e_im = tl.load(ent_ptr + et + M) * enter[:, None]
     kern = tl.load(kern_ptr + h * T * T + t[:, None] * T + t[None, :]) * same
+    return t, m, tok, real, enter, same, e_re, e_im, kern
+
+
+@triton.jit(do_not_specialize=["N", "n_chunks", "H"])
+def _contraction_forward(x_ptr, sx_b, sx_n, sx_h, out_ptr, so_b, so_n, so_h, states_ptr,
+                         ent_ptr, kern_ptr, starts_ptr, N, n_chunks, H, D,
+                         T: tl.constexpr, M: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """Linear contraction readout for one input (k or v) and chunk: out = E @ S_c + Kern @ x_c,
+    E = tab["entering"] [H, T, 2M] (masked by enter), Kern = tab["kernel"] [H, T, T] (S4D's
+    causal kernel, masked by same)."""
+    bh, c, n64, b, h = _chunk_program(n_chunks, H)
+    t, m, tok, real, enter, same, e_re, e_im, kern = _contraction_chunk(ent_ptr, kern_ptr, starts_ptr, N, b, h, c,
+                                                                        T=T, M=M)
     S = states_ptr + (bh * (n64 + 1) + c) * 2 * M * D
     for block in range(0, D.to(tl.int64) // BD):
         d = block * BD + tl.arange(0, BD)
@@ -609,19 +615,9 @@ def _contraction_backward(x_ptr, sx_b, sx_n, sx_h, do_ptr, sdo_b, sdo_n, sdo_h, 
                           T: tl.constexpr, M: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
     """local = E^T do [B, H, n, 2M, D], dx = Kern^T do (the outputs' part), and per chunk
     dent [B, H, n, T, 2M] = do S^T, dkern [B, H, n, T, T] = do x^T (masked as in the forward)."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    n64 = n_chunks.to(tl.int64)
-    b, h = bh // H, bh % H
-    t = tl.arange(0, T)
-    m = tl.arange(0, M)
-    tok = (c * T + t)[:, None]
-    real = tok < N
-    enter, same = _document_pairs(starts_ptr + b * N + c * T + t, t < N - c * T)
-    et = h * T * 2 * M + t[:, None] * 2 * M + m[None, :]
-    e_re = tl.load(ent_ptr + et) * enter[:, None]
-    e_im = tl.load(ent_ptr + et + M) * enter[:, None]
-    kern = tl.load(kern_ptr + h * T * T + t[:, None] * T + t[None, :]) * same
+    bh, c, n64, b, h = _chunk_program(n_chunks, H)
+    t, m, tok, real, enter, same, e_re, e_im, kern = _contraction_chunk(ent_ptr, kern_ptr, starts_ptr, N, b, h, c,
+                                                                        T=T, M=M)
     S = states_ptr + (bh * (n64 + 1) + c) * 2 * M * D
     L = local_ptr + (bh * n64 + c) * 2 * M * D
     de_re = tl.zeros([T, M], dtype=tl.float32)
@@ -645,9 +641,12 @@ def _contraction_backward(x_ptr, sx_b, sx_n, sx_h, do_ptr, sdo_b, sdo_n, sdo_h, 
 
 # ------------------------------------------------------------------------ launching them
 
-# [our choice] num_warps / num_stages, autotuned per shape on CUDA (resources.py compiles every
-# entry for sm_80 and sm_90). Kernels that update a buffer in place list it: the autotuner
-# restores it between its trial runs.
+# [our choice] num_warps 4 or 8, autotuned per shape on CUDA (resources.py compiles every entry
+# for sm_80 and sm_90; 8 warps spill less in most kernels, 4 in a few). num_stages stays 1: the
+# only loops of the per-chunk kernels run over 1-4 column blocks, where software pipelining
+# would add shared memory for at most three prefetches; a GPU measures whether an entry with
+# num_stages=2 pays (one line here, and resources.py checks it). Kernels that update a buffer
+# in place list it: the autotuner restores it between its trial runs.
 CONFIGS = [dict(num_warps=4, num_stages=1), dict(num_warps=8, num_stages=1)]
 KERNELS = {   # name -> (jit function, buffers updated in place)
     "walk_forward": (_walk_forward, ()),
