@@ -90,9 +90,9 @@ else
     SHOW=20 step kernel "$PYTHON" launch/gpu_check.py kernel
 fi
 
-# --- smoke: the user path at head_dim 64 and M 64
+# --- smoke: the user path at head_dim 64 and M 64 (the dry run: tiny, M 32)
 if [[ $DRY -eq 1 ]]; then
-    MODEL="model.d_model=128 model.n_heads=2 model.state_size=64"
+    MODEL="model.state_size=32"   # the tiny model, cheap on the CPU: only the plumbing is tested
 else
     MODEL="model.d_model=256 model.n_heads=4 model.state_size=64"
 fi
@@ -113,7 +113,7 @@ LOSSES+=($MODEL)
 losses() {   # losses NAME NPROC key=value...
     local name="$1" nproc="$2"; shift 2
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" launch/gpu_check.py losses \
-        --out "$OUT/losses-$name.json" "${LOSSES[@]}" "$@"
+        --steps "$((DRY == 1 ? 3 : 5))" --out "$OUT/losses-$name.json" "${LOSSES[@]}" "$@"
 }
 layouts() {
     losses tp1 1 || return 1

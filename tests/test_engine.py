@@ -34,9 +34,10 @@ def test_losses_equal_across_layouts_and_zero_stages(fineweb_prefix):
     assert reference[0][0] > reference[-1][0]   # it learns: the comparison is not between constants
     assert max(norm for _, norm in reference) > 1.0   # clipping is active on some steps
     recompute = ["train.activation_checkpointing=true"]   # inside pipeline stages too
+    # (PP=2 with ZeRO-1 is in (2, 2, 4, 1); DP=2 with ZeRO-1 in (2, 1, 4, 1): their one-axis
+    # forms (1, 2, 2, 1) and (1, 1, 2, 1) were dropped for CI time)
     for tp, pp, world, zero, extra in [(2, 1, 2, 0, []), (1, 2, 2, 0, []), (1, 1, 2, 0, []), (2, 2, 4, 1, []),
-                                       (1, 2, 2, 1, []), (1, 1, 2, 1, []), (1, 1, 2, 2, []), (2, 1, 4, 1, []),
-                                       (1, 2, 2, 0, recompute)]:
+                                       (1, 1, 2, 2, []), (2, 1, 4, 1, []), (1, 2, 2, 0, recompute)]:
         items = overrides(fineweb_prefix, tp, zero, pp) + extra
         results = run_distributed(_train, world, args=(items,), timeout=300)
         for rank, steps in enumerate(results):
