@@ -171,6 +171,10 @@ def cmd_losses(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    missing = [f for f in (args.reference, *args.others) if not Path(f).is_file()]
+    if missing:
+        print(f"gpu_check compare: no losses file {', '.join(missing)} (did its losses step fail?)", file=sys.stderr)
+        return 1
     reference = json.loads(Path(args.reference).read_text())
     failed = False
     for other in args.others:
