@@ -158,14 +158,13 @@ def _static_copy(state):
 
 
 def _copy_into(state, new) -> None:
-    """Write a step's new state into the static buffers (same shapes: fixed-size states)."""
+    """Write a step's new state into the static buffers (same shapes: fixed-size states). The
+    decode tables need no copy: the mixer keeps them in the very state dict it was given."""
     for key, value in new.items():
         if isinstance(value, torch.Tensor):
             state[key].copy_(value)
         elif isinstance(value, dict) and key != "tables":
             _copy_into(state[key], value)
-        elif key == "tables" and state.get("tables") is None:
-            state["tables"] = value   # computed by the first step; parameter-only, reused after
 
 
 DECODES = ("eager", "static", "graph")

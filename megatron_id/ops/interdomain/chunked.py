@@ -388,20 +388,22 @@ def chunked_interdomain(q, k, v, log_dt, a_log, a_im, c_re, c_im, *, readout="he
         # else the next that can; every chunk size computes the same function
         T = kernels.kernel_chunk(chunk_size)
         autocast = torch.is_autocast_enabled(k.device.type)   # the dot precision follows it
-        with torch.autocast(device_type=k.device.type, enabled=False):
-            tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
-                               chunk_size=T, dtype=torch.float32)
-            start = stack(initial_state, dim=-2).float() if initial_state is not None else \
-                k.new_zeros(B, H, 2 * M, R + v.shape[-1], dtype=torch.float32)
-            try:
+        try:   # whether the kernels launch here at this shape (cached), before any table is built
+            shape = kernels.core_shape(q, k, v, M, T, autocast)
+        except kernels.KernelUnavailable as error:
+            if backward == "triton":
+                raise ValueError(f"model.core_impl=triton: {error} (model.core_impl=auto falls back "
+                                 "to the PyTorch form)") from None
+            _fall_back(str(error))   # then the PyTorch form below, as auto chooses it there
+        else:
+            with torch.autocast(device_type=k.device.type, enabled=False):
+                tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
+                                   chunk_size=T, dtype=torch.float32)
+                start = stack(initial_state, dim=-2).float() if initial_state is not None else \
+                    k.new_zeros(B, H, 2 * M, R + v.shape[-1], dtype=torch.float32)
                 out, end = kernels.triton_chunked_core(q, k, v, tab, start, T, readout_scale(M),
-                                                       starts=document_starts(seq_idx), autocast=autocast)
-                return out, (unstack(end, dim=-2) if output_final_state else None)
-            except kernels.KernelUnavailable as error:
-                if backward == "triton":
-                    raise ValueError(f"model.core_impl=triton: {error} (model.core_impl=auto falls back "
-                                     "to the PyTorch form)") from None
-                _fall_back(str(error))   # then the PyTorch form below, as auto chooses it there
+                                                       starts=document_starts(seq_idx), shape=shape)
+            return out, (unstack(end, dim=-2) if output_final_state else None)
     with torch.autocast(device_type=k.device.type, enabled=False):
         tab = chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec,
                            chunk_size=chunk_size, dtype=work)

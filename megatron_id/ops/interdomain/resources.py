@@ -47,7 +47,7 @@ TRAININGS = {"bf16": dict(dtypes=(torch.bfloat16, torch.float32, torch.float32),
 # training; _query_backward_dv, sm_80, 4 warps) and 8,000 with tf32x3 (fp32 training, the same
 # kernel): the bounds leave room for a compiler update and fail a change that spills much more.
 SPILL_BOUND = {"tf32": 3072, "tf32x3": 10240, "bf16": 3072, "ieee": 1 << 20}
-SIDE_CACHE = "megatron_id_ptxas.json"   # ptxas's figures per compiled kernel (Triton keeps only the binary)
+SIDE_CACHE = "megatron_id_ptxas"   # ptxas's figures per compiled kernel (Triton keeps only the binary)
 
 
 @dataclass
@@ -73,10 +73,10 @@ class Row:
         return not self.problems
 
 
-def config_shapes(model) -> list[tuple[int, int, int, int]]:
+def config_shape(model) -> tuple[int, int, int, int]:
     """(T, M, R, Dv) of the core a model config runs: head width from d_model / n_heads."""
     head = model.d_model // model.n_heads
-    return [(model.chunk_size, model.state_size, head, head)]
+    return model.chunk_size, model.state_size, head, head
 
 
 def launches(T: int, M: int, R: int, Dv: int, training: str, H: int = 4) -> list[tuple]:
@@ -123,9 +123,13 @@ def _key(name, spec) -> str:
                        {str(k): v for k, v in spec["attrs"].items()}], sort_keys=True)
 
 
-def _side_cache() -> Path:
+def _figures_file(kernel_hash: str) -> Path:
+    """ptxas's figures of one compiled kernel, a file each beside Triton's cache (the compiler
+    processes write side by side: no shared file to lose an entry of)."""
     import triton
-    return Path(triton.knobs.cache.dir) / SIDE_CACHE
+    folder = Path(triton.knobs.cache.dir) / SIDE_CACHE
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{kernel_hash}.json"
 
 
 def _ptxas_figures(log: str) -> dict:
@@ -166,24 +170,29 @@ def compile_one(name: str, spec: dict, arch: str, config: dict) -> dict:
     src = ASTSource(fn=K.KERNELS[name][0], signature=spec["signature"], constexprs=spec["constexprs"],
                     attrs=spec["attrs"])
     triton.knobs.nvidia.dump_ptxas_log = True
-    log = io.StringIO()
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(log):
-        kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(config))
-    seconds = time.perf_counter() - start
-    figures = _ptxas_figures(log.getvalue())
-    cache, entry = _side_cache(), kernel.metadata.hash
-    known = json.loads(cache.read_text()) if cache.exists() else {}
-    if figures["registers"]:          # compiled now: keep ptxas's figures for cached runs
-        known[entry] = figures
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, cache)
-    else:                             # a cache hit: ptxas did not run
-        figures = known.get(entry, figures)
+
+    def build(always: bool):
+        log = io.StringIO()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(log), triton.knobs.compilation.scope():
+            triton.knobs.compilation.always_compile = always
+            kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(config))
+        return kernel, time.perf_counter() - start, _ptxas_figures(log.getvalue())
+
+    kernel, seconds, figures = build(always=False)
+    saved = _figures_file(kernel.metadata.hash)
+    if not figures["registers"]:       # a cache hit: ptxas did not run
+        if saved.exists():
+            figures = json.loads(saved.read_text())
+        else:                          # the binary cached without its figures: compile again
+            kernel, seconds, figures = build(always=True)
+    if not saved.exists():
+        tmp = saved.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(figures))
+        os.replace(tmp, saved)
     ttgir = kernel.asm["ttgir"]
-    dots = "wgmma" if "warp_group_dot" in ttgir else "mma" if "#ttg.nvidia_mma" in ttgir or \
-        "nvidia_mma" in ttgir else "fma" if "tt.dot" in ttgir else "none"
+    dots = "wgmma" if "warp_group_dot" in ttgir else "mma" if "nvidia_mma" in ttgir else \
+        "fma" if "tt.dot" in ttgir else "none"
     return dict(shared=int(kernel.metadata.shared), limit=limit, seconds=round(seconds, 1), dots=dots,
                 offsets=offsets_problems(kernel.asm["ttir"]), **figures)
 
@@ -193,11 +202,9 @@ def _compile_task(task):
     return compile_one(name, spec, arch, config)
 
 
-def check(shapes, archs=tuple(ARCHS), trainings=tuple(TRAININGS), jobs: int = 2, limits=None,
-          kernels=None) -> list[Row]:
+def check(shapes, archs=tuple(ARCHS), trainings=tuple(TRAININGS), jobs: int = 2, kernels=None) -> list[Row]:
     """Compile every kernel variant of these (T, M, R, Dv) shapes for every arch, training
-    precision and autotuning config; one Row each. limits: {arch: bytes} instead of ARCHS';
-    kernels: only these names."""
+    precision and autotuning config; one Row each. kernels: only these names."""
     from . import triton_chunked as K
     tasks, meta, index, listed = [], [], {}, set()
     for T, M, R, Dv in shapes:
@@ -226,7 +233,7 @@ def check(shapes, archs=tuple(ARCHS), trainings=tuple(TRAININGS), jobs: int = 2,
     rows = []
     for name, shape, arch, training, config, prec, task, first, _ in meta:
         got = dict(results[task], seconds=results[task]["seconds"] if first else 0.0)
-        limit = (limits or {}).get(arch, got["limit"])
+        limit = got["limit"]
         problems = []
         if got["shared"] > limit:
             problems.append(f"shared memory {got['shared']:,} B over the limit {limit:,} B")
@@ -289,9 +296,9 @@ def main(argv=None) -> int:
     for path in configs:
         if not Path(path).is_file():
             raise UserError(f"--config {path}: no such file")
-        for s in config_shapes(load_config([path], args.overrides).model):
-            if s not in shapes:
-                shapes.append(s)
+        shape = config_shape(load_config([path], args.overrides).model)
+        if shape not in shapes:
+            shapes.append(shape)
     print(f"compiling for {', '.join(args.arch)}: shapes (T, M, R, Dv) {shapes} from {len(configs)} config(s), "
           f"{', '.join(args.precision)} training, {args.jobs} process(es)", file=sys.stderr, flush=True)
     if args.kernel:

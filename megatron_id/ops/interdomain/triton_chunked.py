@@ -671,7 +671,7 @@ def _tuned(name: str):
 
 
 _LAUNCHERS: dict = {}
-_capture: list | None = None   # resources.capture_launches: record (name, grid, args, constexprs)
+_capture: list | None = None   # planned_launches records (name, grid, args, constexprs) here
 
 
 def launch(name: str, grid: tuple, *args, **constexprs) -> None:
@@ -711,10 +711,10 @@ def _walk_back(x, dx, tab, states, grad, dend, sh: Shape, starts, grads, BD: int
     part to dx and the tables' gradients to `grads`. BD: the input's column block."""
     B, N, H, D = x.shape
     n = grad.shape[2]
-    BM, BD = sh.walk_blocks(D)
+    walk_m, walk_d = sh.walk_blocks(D)
     dstart = torch.empty_like(dend)
-    launch("walk_backward", (B * H, sh.M // BM, D // BD), grad, dend, dstart, tab["lam_re"], tab["lam_im"],
-           tab["pow_re"], tab["pow_im"], starts, N, n, H, D, T=sh.T, M=sh.M, BM=BM, BD=BD)
+    launch("walk_backward", (B * H, sh.M // walk_m, D // walk_d), grad, dend, dstart, tab["lam_re"], tab["lam_im"],
+           tab["pow_re"], tab["pow_im"], starts, N, n, H, D, T=sh.T, M=sh.M, BM=walk_m, BD=walk_d)
     dadd = x.new_empty(B, H, n, 2 * sh.M, sh.T, dtype=torch.float32)
     dfac = x.new_empty(B, H, n, 2 * sh.M, dtype=torch.float32)
     launch("carry_backward", (B * H, n), x, *_strides(x), dx, tab["add_in"], states, grad, starts, dadd, dfac,
@@ -733,11 +733,6 @@ def _walk_back(x, dx, tab, states, grad, dend, sh: Shape, starts, grads, BD: int
 
 QUERY_TABLES = ("lag", "add_in", "lam_re", "lam_im", "pow_re", "pow_im", "gram")
 CONTRACTION_TABLES = ("lag", "add_in", "lam_re", "lam_im", "pow_re", "pow_im", "entering", "kernel")
-
-
-def _stacked_sum(part: torch.Tensor) -> torch.Tensor:
-    """Per-chunk partials [B, H, n, T, 2M] -> [H, T, 2M], summed over batch and chunks."""
-    return part.sum((0, 2))
 
 
 class _TritonCore(torch.autograd.Function):
@@ -803,7 +798,7 @@ class _TritonCore(torch.autograd.Function):
                 launch("contraction_backward", (B * H, n), x, *_strides(x), part, *_strides(part), states,
                        tab["entering"], tab["kernel"], dx, local, dent, dkern, starts, N, n, H, x.shape[-1],
                        T=T, M=M, BD=BD, PREC=sh.prec)
-                grads["entering"] += _stacked_sum(dent)
+                grads["entering"] += dent.sum((0, 2))   # per-chunk partials over batch and chunks
                 grads["kernel"] += dkern.sum((0, 2))
         else:
             dq = torch.empty_like(dk)
@@ -815,8 +810,8 @@ class _TritonCore(torch.autograd.Function):
             launch("query_backward_dq", (B * H, n), q, *_strides(q), k, *_strides(k), states_k,
                    tab["lag"], tab["pow_re"], tab["pow_im"], tab["gram"], dr, dq, dk, local_k,
                    dlag_k, dpow_k, starts, N, n, H, R, T=T, M=M, BR=sh.BR, PREC=sh.prec)
-            grads["lag"] += _stacked_sum(dlag_v) + _stacked_sum(dlag_k)
-            dpow = _stacked_sum(dpow_v) + _stacked_sum(dpow_k)
+            grads["lag"] += dlag_v.sum((0, 2)) + dlag_k.sum((0, 2))   # per-chunk partials, fixed order
+            dpow = dpow_v.sum((0, 2)) + dpow_k.sum((0, 2))
             grads["pow_re"] += dpow[..., :M]
             grads["pow_im"] += dpow[..., M:]
             # r = p @ gram over every token: one matmul per head (cuBLAS, deterministic)
@@ -853,8 +848,18 @@ def _unpad_modes(x: torch.Tensor, dim: int, M: int, Mp: int) -> torch.Tensor:
     return torch.cat([re.narrow(dim, 0, M), im.narrow(dim, 0, M)], dim=dim)
 
 
+def core_shape(q, k, v, M: int, chunk_size: int, autocast: bool) -> Shape:
+    """The kernels' Shape for a core call (M modes, q None: the contraction readout), after
+    checking that they can launch on the tensors' device at it (check_launchable: raises
+    KernelUnavailable). chunked.py calls it before building the chunk tables."""
+    sh = kernel_shape(chunk_size, M, k.shape[-1], v.shape[-1], q is not None,
+                      dot_precision([x.dtype for x in (q, k, v) if x is not None], autocast))
+    check_launchable(sh, k.shape[2], (None if q is None else q.dtype, k.dtype, v.dtype), k.device)
+    return sh
+
+
 def triton_chunked_core(q, k, v, tab: dict, start: torch.Tensor, chunk_size: int, scale: float,
-                        starts: torch.Tensor | None = None, autocast: bool = False):
+                        starts: torch.Tensor | None = None, autocast: bool = False, shape: Shape | None = None):
     """The core on CUDA (or under TRITON_INTERPRET=1): chunked._segment's numbers for the whole
     sequence. q, k [B, N, H, R] (q None: contraction readout), v [B, N, H, Dv], any float
     dtype; tab from chunk_tables(chunk_size=T) with T a power of two >= 16; start stacked
@@ -865,7 +870,8 @@ def triton_chunked_core(q, k, v, tab: dict, start: torch.Tensor, chunk_size: int
     value columns are cut from the output; padding is differentiable, so gradients come back
     to the unpadded tensors. starts [B, N] bool (ssm.document_starts) or None: packed documents
     (None runs the same kernels with no start anywhere: every mask is ones). autocast: the
-    caller ran under autocast (the dot precision follows it, dot_precision)."""
+    caller ran under autocast (the dot precision follows it, dot_precision). shape: core_shape's
+    result when the caller has it already."""
     T = chunk_size
     if k.shape[1] == 0:
         raise ValueError("the Triton core needs at least one token")
@@ -873,9 +879,7 @@ def triton_chunked_core(q, k, v, tab: dict, start: torch.Tensor, chunk_size: int
         raise ValueError(f"the Triton core needs a chunk size that is a power of two >= {MIN_DOT}, got {T}")
     B, N, H, R = k.shape
     Dv, M = v.shape[-1], tab["pow_re"].shape[-1]
-    sh = kernel_shape(T, M, R, Dv, q is not None,
-                      dot_precision([x.dtype for x in (q, k, v) if x is not None], autocast))
-    check_launchable(sh, H, (None if q is None else q.dtype, k.dtype, v.dtype), k.device)
+    sh = shape or core_shape(q, k, v, M, T, autocast)
     Rp, Dp, Mp = sh.R, sh.DV, sh.M
     names = QUERY_TABLES if q is not None else CONTRACTION_TABLES
     padded = {
