@@ -25,6 +25,10 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+if [[ "${1:-}" == -* ]]; then
+    echo "gpu_check: unknown option $1 (usage: bash launch/gpu_check.sh [--dry-run] [OUTPUT_DIR])" >&2
+    exit 2
+fi
 if [[ "${DEVICE:-gpu}" == "cpu" ]]; then DRY=1; fi
 OUT="${1:-$ROOT/runs/gpu-check-$(date +%Y%m%d-%H%M%S)}"
 PYTHON="${PYTHON:-python3}"

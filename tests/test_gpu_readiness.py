@@ -57,7 +57,9 @@ def test_every_shipped_config_fits_a100_and_h100_on_tensor_cores(every_variant):
     failing = [r for r in rows if r["problems"]]
     assert not failing, failing
     # what the table covers: every kernel, both archs and trainings, every config's head shape
-    # (tiny 16, 125M / 350M / 1.3B 64, 760M 96), both readouts, num_warps 4 and 8
+    # (tiny 16, 125M / 350M / 1.3B 64, 760M 96), both readouts, num_warps 4 and 8; packed
+    # documents on and off are one compiled kernel (the starts are always an int8 tensor, zeros
+    # without documents: no DOCS constexpr), so every row covers both
     assert {r["kernel"] for r in rows} == KERNELS
     assert {(r["arch"], r["training"], r["num_warps"]) for r in rows} == \
         {(a, t, w) for a in ("sm_80", "sm_90") for t in ("bf16", "fp32") for w in (4, 8)}
@@ -132,8 +134,11 @@ def test_the_offset_check_finds_int32_products_and_atomics(compile_env, tmp_path
     assert found["widened"] == "ok", found
 
 
-def test_resources_refuses_careless_input(compile_env):
-    cases = [(["--config", "configs/model/nope.yaml"], "--config configs/model/nope.yaml: no such file"),
+def test_resources_refuses_careless_input(compile_env, tmp_path):
+    mine = tmp_path / "rows.json"
+    mine.write_text("my notes")
+    cases = [(["--json", mine], f"--json {mine} exists: give a new file name"),
+             (["--json", tmp_path / "no" / "rows.json"], "does not exist"),(["--config", "configs/model/nope.yaml"], "--config configs/model/nope.yaml: no such file"),
              (["--column-block", "48"], "--column-block 48: give a power of two >= 16"),
              (["--kernel", "query_fwd"], "--kernel query_fwd: no such kernel; the kernels are walk_forward")]
     for args, message in cases:
@@ -142,6 +147,10 @@ def test_resources_refuses_careless_input(compile_env):
         assert "Traceback" not in done.stderr
     done = run([*RESOURCES, "--config", "configs/model/tiny.yaml"], {**compile_env, "TRITON_INTERPRET": "1"})
     assert done.returncode == 2 and "run it without TRITON_INTERPRET=1" in done.stderr, done.stderr[-2000:]
+    assert mine.read_text() == "my notes"
+    done = run(["bash", "launch/gpu_check.sh", "--dryrun", tmp_path / "check"], compile_env)   # a typo
+    assert done.returncode == 2 and "unknown option --dryrun" in done.stderr, done.stderr
+    assert not (tmp_path / "check").exists() and not (ROOT / "--dryrun").exists()
 
 
 SMOKE_STEPS = ["preprocess", "train", "train-checkpoint", "resume", "resume-continues-at-step-5",

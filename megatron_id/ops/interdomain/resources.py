@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", nargs="+", default=None, metavar="NAME",
                    help="only these kernels (names as in triton_chunked.KERNELS)")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compiler processes")
-    p.add_argument("--json", metavar="FILE", help="also write every row as JSON")
+    p.add_argument("--json", metavar="FILE", help="also write every row as JSON (a new file)")
     p.add_argument("--column-block", type=int, default=None, metavar="N",
                    help="what if: key and value columns in blocks of N (a power of two >= 16) instead of "
                         "triton_chunked.COLUMN_BLOCK")
@@ -284,6 +284,11 @@ def main(argv=None) -> int:
     if triton_chunked.INTERPRET:
         raise UserError("kernel-resources compiles the kernels for a GPU, which Triton's interpreter does not: "
                         "run it without TRITON_INTERPRET=1")
+    if args.json and Path(args.json).exists():
+        from ...errors import OutputExistsError
+        raise OutputExistsError(f"--json {args.json} exists: give a new file name (it is never replaced)")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UserError(f"--json {args.json}: its folder {Path(args.json).resolve().parent} does not exist")
     if args.column_block is not None:
         if args.column_block < 16 or args.column_block & (args.column_block - 1):
             raise UserError(f"--column-block {args.column_block}: give a power of two >= 16 (tl.dot's smallest tile)")
