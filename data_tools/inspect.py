@@ -8,7 +8,9 @@
 --check verifies the offsets and the document index, scans every token id (bounded memory) and
 reports their range, negative ids, an .idx dtype code that contradicts the .meta.json sidecar
 (e.g. an int16 index over uint16 data) and, with --vocab-size, ids the model could not embed.
-A dataset that cannot be opened at all (missing, truncated) is one error line, exit 2.
+A dataset that cannot be opened at all (missing, truncated) is one error line, exit 2, and so
+is a --tokenizer other than the one the sidecar records (it would decode the ids into wrong
+text; --allow-tokenizer-mismatch decodes with it anyway, after a warning).
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import sys
 
 import numpy as np
 
-from megatron_id.data.indexed_dataset import IndexedDataset, meta_path, read_meta, token_id_report
+from megatron_id.data.indexed_dataset import (IndexedDataset, matching_meta, meta_path, read_meta,
+                                              token_id_report)
 from megatron_id.errors import UserError, run_guarded
 
-from megatron_id.data.tokenizer import load_tokenizer
+from megatron_id.data.tokenizer import MISMATCH_FLAG, check_same_tokenizer, load_tokenizer, tokenizer_identity
 
 
 class InspectError(UserError, ValueError):
@@ -38,9 +41,31 @@ def statistics(ds: IndexedDataset) -> str:
     meta = read_meta(ds.prefix)
     if meta is not None:
         rows.append(("sidecar", f"{meta_path(ds.prefix)} (vocab_size {meta.get('vocab_size')}, "
-                                f"tokenizer {meta.get('tokenizer')})"))
+                                f"tokenizer {meta.get('tokenizer')}"
+                                + (f", {meta['tokenizer_id']}" if meta.get("tokenizer_id") else "") + ")"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def check_decoding_tokenizer(ds: IndexedDataset, tokenizer, given, allow: bool) -> None:
+    """--tokenizer is the tokenizer the dataset was made with, as far as its sidecar tells: by
+    identity, else (sidecars written before identities) by vocabulary size. Another one would
+    decode its ids into plausible-looking wrong text."""
+    meta = matching_meta(ds) or {}
+    recorded, path, vocab = meta.get("tokenizer_id"), meta.get("tokenizer"), meta.get("vocab_size")
+    own, size = tokenizer_identity(tokenizer), tokenizer.get_vocab_size(with_added_tokens=True)
+    fix = (f"Pass the tokenizer the data was preprocessed with (--tokenizer {path or '...'}), or "
+           f"{MISMATCH_FLAG} to decode with this one on purpose.")
+    if recorded is not None:
+        check_same_tokenizer((f"dataset {ds.prefix}", recorded, path), (f"--tokenizer {given}", own, None),
+                             fix, allow=allow, warn=_warn)
+    elif vocab is not None and vocab != size:
+        check_same_tokenizer((f"dataset {ds.prefix}", f"of {vocab:,} tokens", path),
+                             (f"--tokenizer {given}", f"of {size:,} tokens", None), fix, allow=allow, warn=_warn)
+
+
+def _warn(message: str) -> None:
+    print(f"inspect: warning: {message}", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     p.add_argument("prefix", help="dataset prefix (with or without _text_document, .bin or .idx)")
     p.add_argument("--doc", type=int, action="append", default=[], help="print document N (repeatable)")
-    p.add_argument("--tokenizer", help="decode --doc with this tokenizer.json (else print ids)")
+    p.add_argument("--tokenizer", help="decode --doc with this tokenizer.json (else print ids); it must be "
+                   "the one the dataset's sidecar records")
+    p.add_argument(MISMATCH_FLAG, action="store_true",
+                   help="decode with a --tokenizer other than the one the sidecar records, on purpose")
     p.add_argument("--check", action="store_true",
                    help="verify offsets, document index and every token id; exit 1 when broken")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -62,6 +90,8 @@ def main(argv=None, debug: bool = False) -> int:
     def body() -> int:
         ds = IndexedDataset(args.prefix)   # header, sizes and truncation are checked on opening
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        if tokenizer is not None:
+            check_decoding_tokenizer(ds, tokenizer, args.tokenizer, args.allow_tokenizer_mismatch)
         for n in args.doc:
             if not 0 <= n < len(ds):
                 raise InspectError(f"--doc {n}: document {n} does not exist in {ds.prefix} "

@@ -25,7 +25,12 @@ written in input order, so the output bytes do not depend on --workers. A docume
 (data_tools/pieces.py), so memory stays bounded for single huge documents too.
 
 What it refuses, before any work: an output .bin/.idx that already exists (unless --overwrite),
-a tokenizer or input that cannot be found, an output folder that is a file. What fails the run,
+a tokenizer or input that cannot be found, an output folder that is a file, a --json-keys key
+given twice. A file that --input reaches twice (the same path, overlapping globs, a folder and
+one of its files) is read once, with a note counting the duplicates; files in input folders or
+among a glob's matches that are never documents (.meta.json sidecars, tokenizer.json and model
+config files) are skipped with a counted note, so outputs written inside the input folder are
+not read back by the next run. A UTF-8 byte order mark opening a file is ignored. What fails the run,
 leaving any old output as it was and no temporary file behind: an input that ends early (a
 truncated .gz/.zst), a run that writes no document at all (empty or non-JSON input, no row with
 the key, filters that keep nothing), and with --strict any bad document. Outputs (.bin, .idx and
@@ -60,7 +65,7 @@ from .outputs import check_outputs, make_folder, remove_folders, report_stale
 from .pieces import PIECE_CHARS, PieceCutter
 from .progress import Progress
 from .readers import InputError, Record, expand_inputs, iter_documents
-from megatron_id.data.tokenizer import TokenizerError
+from megatron_id.data.tokenizer import TokenizerError, null_tokenizer_identity, tokenizer_identity
 
 BATCH_CHARS = 4_000_000   # characters per tokenizer call (and per reader batch); ~1M tokens
 
@@ -151,7 +156,7 @@ class Stats:
         self.outputs, self.seconds, self.stale_removed = [], 0.0, []
         self.cut_documents = self.uncut_documents = 0
         self.empty_kept = 0       # --keep-empty: documents written with no sequence
-        self.notes: list[str] = []   # flags with no effect, the backend's choice
+        self.notes: list[str] = []   # flags with no effect, inputs dropped, the backend's choice
         self.backend = "tokenizers"
 
     def skip(self, reason):
@@ -512,6 +517,11 @@ def run(args) -> Stats:
         raise PreprocessError(f"--partitions {args.partitions}: must be at least 1.")
     if args.log_interval is not None and args.log_interval < 1:
         raise PreprocessError(f"--log-interval {args.log_interval}: must be at least 1 (documents).")
+    repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
+    if repeated:   # two writers of one <prefix>_<key>_document: refused before any work
+        raise PreprocessError(f"--json-keys {' '.join(args.json_keys)}: the key '{repeated[0]}' is given "
+                              f"{args.json_keys.count(repeated[0])} times, but each key makes its own dataset "
+                              f"({output_prefix(args.output_prefix, repeated[0])}): name each key once.")
     try:
         notes = check_compat_flags(args)
     except ValueError as err:
@@ -530,7 +540,7 @@ def run(args) -> Stats:
     eod = spec.eod(args.eod_token, args.null_tokenizer_eod_id) if args.append_eod else None
     if eod is not None and not 0 <= eod < spec.vocab_size:
         raise PreprocessError(f"--null-tokenizer-eod-id {eod}: must be below --vocab-size {spec.vocab_size}.")
-    files = expand_inputs(split_neox_inputs(args.input))
+    files = expand_inputs(split_neox_inputs(args.input), notes=notes)
     vocab_size = spec.vocab_size
     dtype = best_dtype(vocab_size)
     finals = [output_prefix(args.output_prefix, k) for k in args.json_keys]
@@ -559,11 +569,13 @@ def run(args) -> Stats:
     progress = Progress(total_bytes, enabled=not args.no_progress, log_interval=args.log_interval)
     cutter = PieceCutter(backend, PIECE_CHARS)
     recorded = spec.file
+    identity = null_tokenizer_identity(vocab_size) if spec.kind == "null" else tokenizer_identity(spec.tokenizer)
     writers = []
     try:
         for p in finals:   # one by one: a failure aborts those already opened
             writers.append(IndexedDatasetWriter(p, dtype, vocab_size=vocab_size, eod_id=eod,
-                                                tokenizer=None if recorded is None else str(recorded)))
+                                                tokenizer=None if recorded is None else str(recorded),
+                                                tokenizer_id=identity))
         if parts == 1:
             _write_part(files, writers, backend, cutter, eod, args, stats, progress)
         else:

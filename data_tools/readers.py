@@ -43,15 +43,26 @@ class InputError(UserError, ValueError):
 TEXT_SUFFIXES = (".txt", ".md", ".raw")
 
 
-def expand_inputs(patterns, allow_text: bool = False) -> list[Path]:
+def expand_inputs(patterns, allow_text: bool = False, notes: list | None = None) -> list[Path]:
     """Files, globs and dataset folders, in a stable order; a pattern matching nothing is an error.
-    allow_text also admits plain text files (for tokenizer training)."""
-    files = []
+    allow_text also admits plain text files (for tokenizer training).
+
+    Each file is listed once, however many patterns reach it (the same path twice, a file and
+    its folder, overlapping globs, a symlink): later occurrences are dropped. Inside a folder and
+    among a glob's matches, files that are never documents (our .meta.json sidecars, tokenizer
+    and model config files, a pretty-printed single JSON object) are skipped, so a run whose
+    --output-prefix lies inside its input folder does not read the previous run's outputs. A
+    file named on its own is read as asked. `notes` receives one line per kind of file dropped,
+    with the count."""
+    files, seen, skipped, seen_skipped = [], {}, [], set()
+    duplicates: dict[Path, int] = {}
     for pattern in patterns:
-        matches = sorted(glob.glob(str(pattern), recursive=True)) if glob.has_magic(str(pattern)) \
+        magic = glob.has_magic(str(pattern))
+        matches = sorted(glob.glob(str(pattern), recursive=True)) if magic \
             else ([str(pattern)] if os.path.exists(pattern) else [])
         if not matches:
             raise InputError(f"input '{pattern}' matches no file or folder.")
+        found, dropped = [], []
         for m in matches:
             path = Path(m)
             if path.is_dir() and not is_hf_dataset_folder(path):
@@ -59,13 +70,92 @@ def expand_inputs(patterns, allow_text: bool = False) -> list[Path]:
                 if not inner:
                     raise InputError(f"folder '{path}' holds no .jsonl/.json/.parquet files and is "
                                      f"not a saved Hugging Face dataset.")
-                files.extend(inner)
+                for p in inner:
+                    why = not_a_document(p)
+                    if why:
+                        dropped.append((p, why))
+                    else:
+                        found.append(p)
             elif path.is_dir() or _kind(path) or (allow_text and path.name.lower().endswith(TEXT_SUFFIXES)):
-                files.append(path)
+                why = not_a_document(path) if magic and path.is_file() else None
+                if why:
+                    dropped.append((path, why))
+                else:
+                    found.append(path)
             else:
                 raise InputError(f"input '{path}' has an unsupported type; use .jsonl, .jsonl.gz, "
                                  f".jsonl.zst, .json, .parquet or a Hugging Face dataset folder.")
+        if not found:
+            raise InputError(f"input '{pattern}' holds no document file: only {_listed(dropped)}. "
+                             f"Name the data files (.jsonl, .json, .parquet) with --input.")
+        for path, why in dropped:   # counted once, however many patterns reach it
+            if _file_key(path) not in seen_skipped:
+                seen_skipped.add(_file_key(path))
+                skipped.append((path, why))
+        for path in found:
+            key = _file_key(path)
+            if key in seen:
+                duplicates[seen[key]] = duplicates.get(seen[key], 1) + 1
+                continue
+            seen[key] = path
+            files.append(path)
+    if notes is not None:
+        # Duplicates are dropped with a note rather than refused: overlapping globs and a folder
+        # named beside one of its files are ordinary ways to name a set of inputs, and nobody
+        # means a file to be tokenised twice (weights belong to the blend, --data-path w1 p1 ...).
+        n = sum(duplicates.values()) - len(duplicates)
+        if n:
+            shown = ", ".join(f"{p} (given {k} times)" for p, k in list(duplicates.items())[:3])
+            notes.append(f"{n} duplicate input{'s' if n > 1 else ''} dropped, each file is read once: "
+                         f"{shown}{', ...' if len(duplicates) > 3 else ''}.")
+        if skipped:
+            n = len(skipped)
+            notes.append(f"{n} file{'s' if n > 1 else ''} in the input folders or globs skipped, not "
+                         f"documents: {_listed(skipped)}.")
     return files
+
+
+def _file_key(path: Path):
+    """What tells two names of one file apart from two files: (device, inode) when it exists."""
+    try:
+        st = path.stat()
+        return st.st_dev, st.st_ino
+    except OSError:
+        return str(path.resolve())
+
+
+def _listed(dropped) -> str:
+    return ", ".join(f"{p} ({why})" for p, why in dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+
+
+# Files that sit beside datasets and models and are never documents
+NOT_DOCUMENT_NAMES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                      "added_tokens.json", "config.json", "generation_config.json"}
+BOM = b"\xef\xbb\xbf"   # a UTF-8 byte order mark (Windows editors write one): not part of the text
+
+
+def not_a_document(path: Path) -> str | None:
+    """Why a file found in an input folder or by a glob is not a document file (None: it may be)."""
+    name = path.name.lower()
+    if name.endswith(".meta.json"):
+        try:
+            if path.stat().st_size < 1 << 20 and \
+                    str(json.loads(path.read_bytes()).get("format", "")).startswith("megatron_id.dataset_meta"):
+                return "a dataset sidecar"
+        except (OSError, ValueError, AttributeError):
+            pass
+    if name in NOT_DOCUMENT_NAMES:
+        return "a tokenizer or model config file"
+    if name.endswith(".json"):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4096)
+        except OSError:
+            return None
+        head = head.removeprefix(BOM).lstrip()
+        if head.startswith(b"{") and head.split(b"\n", 1)[0].strip() == b"{":
+            return "one pretty-printed JSON object, not JSON lines"
+    return None
 
 
 def is_hf_dataset_folder(path: Path) -> bool:
@@ -187,10 +277,10 @@ def _iter_jsonl(path: Path, counter: list):
 
 def _iter_jsonl_lines(path: Path, counter: list, lines: list):
     with _open_binary(path, counter) as f:
-        first = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
+        first = f.peek(64)[:64].removeprefix(BOM).lstrip() if hasattr(f, "peek") else b""
         if first.startswith(b"["):   # a JSON array file: loaded whole (jsonl streams)
             try:
-                rows = json.loads(f.read().decode("utf-8"))
+                rows = json.loads(f.read().decode("utf-8-sig"))
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
                 yield Skip(str(path), 1, f"unreadable JSON array ({err})")
                 return
@@ -200,6 +290,8 @@ def _iter_jsonl_lines(path: Path, counter: list, lines: list):
             return
         for i, raw in enumerate(f, start=1):
             lines[0] = i
+            if i == 1:
+                raw = raw.removeprefix(BOM)
             if not raw.strip():
                 continue
             try:

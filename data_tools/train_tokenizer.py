@@ -27,10 +27,19 @@ class TrainTokenizerError(UserError, ValueError):
     pass
 
 
-def _texts(files, keys):
+def _texts(files, keys, counted: list | None = None):
+    """The texts of `files`; `counted` (when given) gets the number of characters read added to
+    its first item."""
+    for text in _all_texts(files, keys):
+        if counted is not None:
+            counted[0] += len(text)
+        yield text
+
+
+def _all_texts(files, keys):
     for path in files:
         if path.name.lower().endswith(TEXT_SUFFIXES):
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(path, encoding="utf-8-sig", errors="replace") as f:   # a BOM is not text
                 yield from f
         else:
             for item in iter_documents([path], columns=keys):
@@ -38,7 +47,7 @@ def _texts(files, keys):
                     yield from (item.data[k] for k in keys if isinstance(item.data.get(k), str))
 
 
-def train(files, vocab_size: int, keys=("text",), min_frequency: int = 2):
+def train(files, vocab_size: int, keys=("text",), min_frequency: int = 2, counted: list | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -46,7 +55,7 @@ def train(files, vocab_size: int, keys=("text",), min_frequency: int = 2):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=[EOD],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_texts(files, keys), trainer=trainer)
+    tok.train_from_iterator(_texts(files, keys, counted), trainer=trainer)
     return tok
 
 
@@ -71,9 +80,13 @@ def main(argv=None, debug: bool = False) -> int:
             raise TrainTokenizerError(f"--vocab-size {args.vocab_size}: must be at least {MIN_VOCAB} "
                                       f"(the 256 byte tokens, {EOD} and some merges).")
         out = Path(args.output)
-        files = expand_inputs(args.input, allow_text=True)
+        notes: list[str] = []
+        files = expand_inputs(args.input, allow_text=True, notes=notes)
+        for note in notes:
+            print(f"train_tokenizer: note: {note}", file=sys.stderr)
         check_outputs([out], "--output", out, args.overwrite)   # before the (long) training
-        tok = train(files, args.vocab_size, args.json_keys, args.min_frequency)
+        counted = [0]
+        tok = train(files, args.vocab_size, args.json_keys, args.min_frequency, counted)
         if tok.get_vocab_size() <= MIN_VOCAB - 1:   # nothing but the alphabet: no text was read
             raise TrainTokenizerError(f"no text to learn from in {', '.join(map(str, files[:3]))}"
                                       f"{', ...' if len(files) > 3 else ''}: the inputs are empty or "
@@ -90,6 +103,12 @@ def main(argv=None, debug: bool = False) -> int:
             raise
         print(f"trained byte-level BPE, vocabulary {tok.get_vocab_size():,} ({EOD} = "
               f"{tok.token_to_id(EOD)}) -> {out}", file=sys.stderr)
+        if tok.get_vocab_size() < args.vocab_size:   # written all the same: smaller is not wrong
+            print(f"train_tokenizer: warning: --vocab-size {args.vocab_size:,} asked, {tok.get_vocab_size():,} "
+                  f"obtained: the corpus is too small ({counted[0]:,} characters in {len(files):,} "
+                  f"file{'s' if len(files) > 1 else ''}): no pair of adjacent tokens is left that occurs "
+                  f"at least --min-frequency {args.min_frequency} times. Train on more text, or lower "
+                  f"--vocab-size (or --min-frequency).", file=sys.stderr)
         return 0
     return run_guarded("train_tokenizer", body, debug=debug)
 

@@ -15,7 +15,8 @@
 # MEGATRON_ID_DEVICE (gpu: default when a GPU is visible; cpu), MEGATRON_ID_PYTHON (python3),
 # MEGATRON_ID_RUN_DIR; OMP_NUM_THREADS and NCCL_* as exported.
 # To stop with a checkpoint, send SIGTERM or SIGUSR1 to the training processes
-# (`pkill -USR1 -f "megatron_id.cli train"`): each finishes its step, saves and exits.
+# (`pkill -USR1 -f "megatron_id.cli train"`): each finishes its step, saves and exits with
+# status 3 (stopped early: not a finished run; the SLURM script's ranks exit 0 instead).
 set -uo pipefail
 
 PYTHON="${MEGATRON_ID_PYTHON:-python3}"
@@ -79,7 +80,9 @@ fi
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     -m megatron_id.cli train "$@" "${extra[@]}" 2>&1 | tee -a "$LOGS/$ID.out"
 status=${PIPESTATUS[0]}
-if [[ $status -ne 0 ]]; then
+if [[ $status -eq 3 ]]; then   # stopped by a signal after saving (megatron-id train's STOPPED_EXIT_STATUS)
+    say "stopped early (exit 3) with a checkpoint; to resume, run the same command with MEGATRON_ID_RUN_DIR=$RUN_DIR" | tee -a "$LOGS/$ID.out" >&2
+elif [[ $status -ne 0 ]]; then
     say "training failed (exit $status); the log is $LOGS/$ID.out" | tee -a "$LOGS/$ID.out" >&2
 fi
 exit "$status"

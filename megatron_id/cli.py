@@ -56,6 +56,19 @@ def cmd_params(args) -> int:
     return 0
 
 
+# The exit status of a run that a signal (SIGTERM, SIGUSR1) stopped before train_iters, after
+# saving: not 0, so that a script or an `afterok` chain does not take it for a finished run, and
+# not 1 or 2 (an error) [our choice: 3]. launch/slurm/train.sbatch sets
+# MEGATRON_ID_STOPPED_EXIT_STATUS=0: srun's --kill-on-bad-exit would end the other ranks on a
+# non-zero exit, and the script tells a stop from a finish by the checkpoint's step itself.
+STOPPED_EXIT_STATUS = 3
+
+
+def _stopped_exit_status() -> int:
+    value = os.environ.get("MEGATRON_ID_STOPPED_EXIT_STATUS", "")
+    return int(value) if value.isdigit() else STOPPED_EXIT_STATUS
+
+
 def cmd_train(args) -> int:
     # SIGTERM / SIGUSR1 during the minutes of imports and setup must not kill the rank (their
     # default action): note them, and the trainer stops at its first step boundary
@@ -74,23 +87,44 @@ def cmd_train(args) -> int:
     # from here on the process ends by os._exit, an error too (a refused config after the
     # process group started aborted at teardown now and then: exit -6 instead of 2; see entry)
     _TEARDOWN.append(lambda: None)
-    trainer = None
+    trainer, status = None, 0
+    t = cfg.train
     try:
         trainer = Trainer(cfg)
-        trainer.stop_requested = bool(early_stop)
+        trainer.stop_requested = early_stop[0] if early_stop else False
         trainer.train()
-        if dist.get_rank() == 0:
-            t = cfg.train
+        iters = trainer.layout.train_iters
+        if trainer.step < iters and trainer.stop_signal:
+            status = _stopped_exit_status()
+            if dist.get_rank() == 0:
+                name = signal.Signals(trainer.stop_signal).name
+                if not t.save or trainer.step == 0:
+                    why = "train.save unset" if not t.save else "no step was trained"
+                    saved = f"nothing saved ({why}): a rerun starts from step 1"
+                else:
+                    saved = (f"checkpoint {trainer._last_checkpoint()}; resume with the same command and "
+                             f"train.load={t.save}")
+                print(f"stopped at step {trainer.step:,} of {iters:,} ({name}): {saved} (exit {status})",
+                      file=sys.stderr, flush=True)
+        elif dist.get_rank() == 0:
             print(f"finished at step {trainer.step}; checkpoint: {t.save or 'not saved (train.save unset)'}; "
                   f"TensorBoard: {t.tensorboard_dir or 'off (train.tensorboard_dir unset)'}",
                   file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        # Ctrl-C stops at once (no save, as in Megatron); say what is on disk, not only "interrupted"
+        if dist.get_rank() == 0:
+            where = (f"at step {trainer.step:,} of {trainer.layout.train_iters:,}; last checkpoint: "
+                     f"{trainer._last_checkpoint()}" if trainer is not None else
+                     "before training started: nothing was saved")
+            print(f"megatron-id: interrupted (SIGINT) {where}", file=sys.stderr, flush=True)
+        return 130
     finally:
         if trainer is not None:
             trainer.close()
     # every rank reaches the end before any exits; then entry() ends the process without the
     # interpreter's teardown of the process group and DeepSpeed (see entry)
     _TEARDOWN.append(dist.barrier)
-    return 0
+    return status
 
 
 # Run after main() returns, just before the process exits (see entry()).
@@ -133,10 +167,15 @@ def cmd_check_checkpoint(args) -> int:
     return 0
 
 
+# every command that pairs a trained model with a tokenizer checks it is the model's own
+MISMATCH_HELP = "use a tokenizer other than the one the model was trained with, on purpose"
+
+
 def cmd_export_hf(args) -> int:
     from .hf.export import export_hf
     out = export_hf(args.checkpoint, args.output, tokenizer=args.tokenizer,
-                    prefill_chunk_size=args.prefill_chunk_size, overwrite=args.overwrite)
+                    prefill_chunk_size=args.prefill_chunk_size, overwrite=args.overwrite,
+                    allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     print(f"exported {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained("
           f"'{out}', trust_remote_code=True))")
     return 0
@@ -145,7 +184,7 @@ def cmd_export_hf(args) -> int:
 def cmd_import_hf(args) -> int:
     from .hf.export import import_hf
     out = import_hf(args.input, args.output, args.tensor_parallel, args.pipeline_parallel,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     print(f"imported {args.input} -> {out} (TP={args.tensor_parallel}, PP={args.pipeline_parallel}; "
           f"weights only: train with train.load={out})")
     return 0
@@ -161,7 +200,8 @@ def cmd_generate(args) -> int:
     if args.cuda_graph and device.type != "cuda":
         raise BadOptionError(f"--cuda-graph needs a CUDA device; --device is {device}: drop --cuda-graph "
                              "or give --device cuda.")
-    model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer)
+    model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer,
+                                                     args.allow_tokenizer_mismatch)
     if args.cuda_graph and model.cfg.mixer.value == "softmax":
         raise BadOptionError("--cuda-graph needs fixed-size states: this checkpoint's softmax mixer keeps "
                              "a growing KV cache; drop --cuda-graph.")
@@ -297,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace --output when it holds an earlier export and nothing else")
     e.add_argument("--tokenizer", help="tokenizer.json (default: the one recorded in the checkpoint)")
     e.add_argument("--prefill-chunk-size", type=int, default=2048)
+    e.add_argument("--allow-tokenizer-mismatch", action="store_true", help=MISMATCH_HELP)
     e.set_defaults(func=cmd_export_hf)
     i = sub.add_parser("import-hf", help="an exported folder -> a training checkpoint at any TP/PP",
                        allow_abbrev=False)
@@ -308,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(never a folder with training checkpoints)")
     i.add_argument("--tensor-parallel", type=int, default=1)
     i.add_argument("--pipeline-parallel", type=int, default=1)
+    i.add_argument("--allow-tokenizer-mismatch", action="store_true", help=MISMATCH_HELP)
     i.set_defaults(func=cmd_import_hf)
     g = sub.add_parser("generate", help="stream text from a training checkpoint or an exported folder",
                        allow_abbrev=False)
@@ -319,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prefill-chunk-size", type=int, default=2048)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--tokenizer")
+    g.add_argument("--tokenizer", help="tokenizer.json (default: the one the checkpoint or export records)")
+    g.add_argument("--allow-tokenizer-mismatch", action="store_true", help=MISMATCH_HELP)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--cuda-graph", action="store_true",
                    help="replay each decode step as a CUDA graph (interdomain / S4D models on CUDA)")

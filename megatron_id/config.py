@@ -102,6 +102,10 @@ class DataConfig:
     split: str = "969,30,1"
     index_cache_dir: Optional[str] = None   # None: <folder of the first prefix>/index-cache
     tokenizer: Optional[str] = None          # the data's tokenizer.json: recorded in checkpoints for export
+    # train on data (or resume a checkpoint) of different tokenizers on purpose; otherwise the
+    # tokenizer identities of the blend, data.tokenizer and the checkpoint must agree
+    # (training/agreement.py)
+    allow_tokenizer_mismatch: bool = False
     # packed documents, Megatron's switches and meanings (training/documents.py); all off, as there
     reset_attention_mask: bool = False       # no token reads another document (state, convs, attention)
     reset_position_ids: bool = False         # RoPE positions restart in every document
@@ -164,6 +168,9 @@ class TrainConfig:
     # it. 10 as Megatron's --distributed-timeout-minutes: rank 0 alone builds the data index
     # while the others wait (about 2 s per 100M tokens, so ~9 min for the paper's 26B)
     collective_timeout_minutes: float = 10.0
+    # on CPU, refuse a run whose planned memory (megatron-id plan) x the ranks on this host is
+    # above the host's available memory: the kernel's OOM killer would end it without a word
+    check_host_memory: bool = True
     deepspeed: dict = field(default_factory=dict)   # raw DeepSpeed config overrides
 
 

@@ -26,34 +26,41 @@ class Trained:
     """A model loaded for inference: the LanguageModel (eval mode, TP=1), its tokenizer, the
     end-of-document id, the model config and the checkpoint's client state (None for exports)."""
 
-    def __init__(self, model, tokenizer, eod: int, cfg, client, tokenizer_path: Path):
+    def __init__(self, model, tokenizer, eod: int, cfg, client, tokenizer_path: Path, tokenizer_id: str):
         self.model, self.tokenizer, self.eod, self.cfg, self.client = model, tokenizer, eod, cfg, client
-        self.tokenizer_path = tokenizer_path
+        self.tokenizer_path, self.tokenizer_id = tokenizer_path, tokenizer_id
 
 
-def load_trained(source, tokenizer=None) -> Trained:
+def load_trained(source, tokenizer=None, allow_tokenizer_mismatch: bool = False) -> Trained:
     """From a training checkpoint (root or iter folder, any layout) or an exported Hugging Face
-    folder (it has config.json)."""
+    folder (it has config.json). The tokenizer (given, or the one recorded) is checked against
+    the model before the weights are read: the identity recorded at training or export, and a
+    vocabulary the embedding table holds."""
+    import json
     from .checkpoint.read import read_checkpoint
-    from .data.tokenizer import eod_id, find_tokenizer, load_tokenizer
-    from .hf.export import read_hf_folder
+    from .data.tokenizer import check_tokenizer_for_model, eod_id, find_tokenizer, load_tokenizer
+    from .hf.export import TOKENIZER_ID_KEY, read_hf_folder
     source = Path(source)
     client = None
     if (source / "config.json").is_file():
         _, cfg, weights = read_hf_folder(source)
         tokenizer = find_tokenizer(tokenizer, str(source / "tokenizer.json"), source)
+        recorded = json.loads((source / "config.json").read_text()).get(TOKENIZER_ID_KEY)
     else:
         _, client, cfg, weights = read_checkpoint(source, also_export=True)
         tokenizer = find_tokenizer(tokenizer, client.tokenizer, source)
+        recorded = client.tokenizer_id
+    tok = load_tokenizer(str(tokenizer))
+    identity = check_tokenizer_for_model(tok, tokenizer, cfg.vocab_size, recorded, source,
+                                         allow=allow_tokenizer_mismatch)
     model = LanguageModel(cfg, seed=None)
     model.load_state_dict(weights, strict=True)
-    tok = load_tokenizer(str(tokenizer))
-    return Trained(model.eval(), tok, eod_id(tok), cfg, client, Path(tokenizer))
+    return Trained(model.eval(), tok, eod_id(tok), cfg, client, Path(tokenizer), identity)
 
 
-def load_model_and_tokenizer(source, tokenizer=None):
+def load_model_and_tokenizer(source, tokenizer=None, allow_tokenizer_mismatch: bool = False):
     """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id): see load_trained."""
-    trained = load_trained(source, tokenizer)
+    trained = load_trained(source, tokenizer, allow_tokenizer_mismatch)
     return trained.model, trained.tokenizer, trained.eod
 
 

@@ -22,6 +22,7 @@ from conftest import ROOT
 from megatron_id.data.indexed_dataset import (IndexedDataset, IndexedDatasetError,
                                               IndexedDatasetWriter, check_token_ids, meta_path,
                                               scan_token_range)
+from megatron_id.data.tokenizer import identity_of_file
 
 DATA = ROOT / "tests" / "data"
 FINEWEB = DATA / "fineweb-edu-sample-150.jsonl"
@@ -160,7 +161,7 @@ def case_output_prefix_below_a_file(t, i, g):
 
 
 def case_merge_into_existing_output(t, i, g):
-    return [MERGE, t / "data/out_text_document", g, g], r"out_text_document\.bin, .* already exist: pass --overwrite"
+    return [MERGE, t / "data/out_text_document", g], r"out_text_document\.bin, .* already exist: pass --overwrite"
 
 
 def case_merge_mismatched_dtypes(t, i, g):
@@ -264,7 +265,7 @@ def test_sidecar_records_what_was_written(tmp_path, good_pair):
     assert meta == {"format": "megatron_id.dataset_meta/1", "dtype": "uint16", "vocab_size": 50257,
                     "max_token_id": int(ids.max()), "min_token_id": int(ids.min()),
                     "num_sequences": 150, "num_documents": 150, "num_tokens": len(ids),
-                    "tokenizer": str(GPT2.resolve()),
+                    "tokenizer": str(GPT2.resolve()), "tokenizer_id": identity_of_file(GPT2),
                     "eod_id": 50256}
     # merge: the id range over its inputs, which need no sidecar of their own
     other = tmp_path / "other"
@@ -276,7 +277,7 @@ def test_sidecar_records_what_was_written(tmp_path, good_pair):
     merged = json.loads(meta_path(tmp_path / "merged").read_text())
     assert (merged["max_token_id"], merged["min_token_id"], merged["vocab_size"]) == (60000, 0, 50257)
     assert (merged["num_sequences"], merged["num_tokens"]) == (151, len(ids) + 2)
-    assert merged["tokenizer"] is None   # one input's tokenizer is unknown
+    assert merged["tokenizer"] is None and merged["tokenizer_id"] is None   # one input's tokenizer is unknown
 
 
 def test_overwrite_replaces_the_pair_atomically(tmp_path, good_pair, inputs):
@@ -288,11 +289,14 @@ def test_overwrite_replaces_the_pair_atomically(tmp_path, good_pair, inputs):
     for ext in EXTS:   # exactly what a fresh run writes (the sidecar too), nothing else
         assert Path(f"{prefix}{ext}").read_bytes() == (tmp_path / "fresh" / f"out_text_document{ext}").read_bytes()
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [f"out_text_document{e}" for e in EXTS]
-    # merge --overwrite too, the output being one of its inputs
-    done = run_module(MERGE, [prefix, prefix, prefix, "--overwrite"])
+    # merge --overwrite too (an output that is one of its inputs is refused: test_careless_data_tools.py)
+    merged = tmp_path / "data" / "merged"
+    assert run_module(MERGE, [merged, prefix]).returncode == 0
+    done = run_module(MERGE, [merged, prefix, tmp_path / "fresh" / "out_text_document", "--overwrite"])
     assert done.returncode == 0, done.stderr
-    assert len(IndexedDataset(prefix)) == 40
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [f"out_text_document{e}" for e in EXTS]
+    assert len(IndexedDataset(merged)) == 40
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == \
+        sorted(f"{name}{e}" for name in ("merged", "out_text_document") for e in EXTS)
 
 
 def _dead_pid() -> int:

@@ -2,6 +2,7 @@
 checkpoints verified against their manifest, a lock on train.save, stale staging cleaned, a
 hung rank that ends the job, and launcher signals that reach the workers."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -310,4 +311,8 @@ def test_a_signal_to_torchrun_makes_every_worker_save_and_stop(fineweb_prefix, t
     step = int((ckpt / "latest").read_text().removeprefix("iter_"))
     assert step >= 3, text[-2000:]
     assert (ckpt / f"iter_{step:07d}" / "manifest.json").is_file()
+    # rank 0 says the run stopped early, where, and how to resume; workers exit 3 (a plain run)
+    assert re.search(rf"stopped at step {step:,} of 3,907 \(SIG(TERM|USR1)\): checkpoint {ckpt}/iter_{step:07d}",
+                     text), text[-2000:]
+    assert f"resume with the same command and train.load={ckpt} (exit 3)" in text
     SaveLock(ckpt).release()   # nobody holds the folder any more

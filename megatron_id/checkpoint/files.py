@@ -147,6 +147,9 @@ class ClientState:
     layout: dict | None = None        # layout_record of the writer; None: written before records
     consumed_samples: int | None = None   # the data position (step x global batch); None: older
     tokenizer: str | None = None      # absolute path of data.tokenizer
+    # the identity of the tokenizer whose ids it was trained on (data/tokenizer.py); None:
+    # unknown, mixed on purpose, or written before identities were recorded
+    tokenizer_id: str | None = None
     evaluations: int = 0              # validation rounds done (each reads new batches)
     skipped_steps: int = 0            # non-finite steps skipped so far
     rng: dict | None = None           # rng_state() of rank 0

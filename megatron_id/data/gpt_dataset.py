@@ -24,12 +24,13 @@ import hashlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import UserError
-from .indexed_dataset import IndexedDataset, IndexedDatasetError, check_token_ids
+from .indexed_dataset import IndexedDataset, IndexedDatasetError, check_token_ids, resolve_prefix
 
 INDEX_VERSION = 1
 
@@ -68,7 +69,35 @@ def parse_data_path(items) -> list[tuple[float, str]]:
     if total <= 0:
         raise DataConfigError(f"data path {' '.join(items)!r}: the weights sum to zero; give at "
                               f"least one prefix a positive weight.")
-    return [(w / total, p) for w, p in pairs]
+    return [(w / total, p) for w, p in _merge_repeated(pairs)]
+
+
+def _same_prefix_key(prefix: str) -> str:
+    """One key per dataset, however its prefix is spelled (with or without _text_document,
+    .bin or .idx, relative or absolute)."""
+    try:
+        return str(resolve_prefix(prefix).resolve())
+    except IndexedDatasetError:   # missing: named by check_data; compare the spelling meanwhile
+        return os.path.abspath(prefix)
+
+
+def _merge_repeated(pairs: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """A prefix named twice in a blend is one dataset with the summed weight. Two copies would
+    be two GPT datasets with the same seed, hence the same sample order, and the blend would
+    serve every sample twice in a row (0, 0, 2, 2, ...); summed, each sample comes once per
+    epoch at the weight asked for. Said once in the log (`repeated_prefixes`)."""
+    merged: dict[str, list] = {}
+    for weight, prefix in pairs:
+        merged.setdefault(_same_prefix_key(prefix), [0.0, prefix])[0] += weight
+    return [(w, p) for w, p in merged.values()]
+
+
+def repeated_prefixes(items) -> list[str]:
+    """The blend's prefixes named more than once, for the log line."""
+    items = [str(x) for x in (items.split() if isinstance(items, str) else items)]
+    prefixes = items[1::2] if len(items) > 1 else items
+    keys = [_same_prefix_key(p) for p in prefixes]
+    return [p for i, p in enumerate(prefixes) if keys.index(keys[i]) != i]
 
 
 def parse_split(split: str) -> list[float]:
@@ -261,6 +290,11 @@ def check_data(data_path, split, seq_length: int, vocab_size: int) -> None:
     prefix, the value and the fix."""
     blend = parse_data_path(data_path)
     parse_split(split)
+    repeated = repeated_prefixes(data_path)
+    if repeated:
+        print(f"note: data.data_path names {', '.join(sorted(set(repeated)))} more than once: read as one "
+              f"dataset each, with the weights summed (each sample once per epoch, not twice in a row)",
+              file=sys.stderr, flush=True)
     for weight, prefix in blend:
         try:
             indexed = IndexedDataset(prefix)

@@ -25,7 +25,11 @@ Beside the pair, writers put a small sidecar `<prefix>.meta.json` (ours; Megatro
     {"format": "megatron_id.dataset_meta/1", "dtype": "uint16", "vocab_size": 50257,
      "max_token_id": 50256, "min_token_id": 0, "num_sequences": 150, "num_documents": 150,
      "num_tokens": 89203,
-     "tokenizer": "/abs/path/tokenizer.json", "eod_id": 50256}
+     "tokenizer": "/abs/path/tokenizer.json", "tokenizer_id": "vocab:1a2b3c4d5e6f7a8b",
+     "eod_id": 50256}
+
+`tokenizer_id` is the tokenizer's identity (megatron_id/data/tokenizer.py: a hash of its id ->
+token table); sidecars written before it was recorded lack the key, and read as unknown.
 
 `check_token_ids(prefix, vocab_size)` uses it (or scans the .bin when it is missing or stale)
 so that a model whose vocabulary is too small for the data fails before training instead of
@@ -164,17 +168,20 @@ class IndexedDatasetWriter:
     names) then `commit()` (the renames): a tool writing several outputs prepares all of them
     before committing any, so a failure leaves every old output as it was.
     The writer replaces existing files: refusing to overwrite is the caller's decision.
-    `vocab_size`, `tokenizer` and `eod_id` are recorded in the sidecar (None: unknown).
+    `vocab_size`, `tokenizer`, `tokenizer_id` and `eod_id` are recorded in the sidecar (None:
+    unknown).
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype, *, vocab_size: int | None = None,
-                 tokenizer: str | None = None, eod_id: int | None = None):
+                 tokenizer: str | None = None, eod_id: int | None = None,
+                 tokenizer_id: str | None = None):
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
             raise ValueError(f"dtype {self.dtype} cannot be written (use one of "
                              f"{sorted(str(np.dtype(t)) for t in DTYPE_CODES.values())})")
         self.vocab_size, self.tokenizer, self.eod_id = vocab_size, tokenizer, eod_id
+        self.tokenizer_id = tokenizer_id
         self.bin_path, self.idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
         self.meta_path = meta_path(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,7 +270,7 @@ class IndexedDatasetWriter:
                 "max_token_id": self.max_token_id, "min_token_id": self.min_token_id,
                 "num_sequences": self.num_sequences, "num_documents": self.num_documents,
                 "num_tokens": self.num_tokens,
-                "tokenizer": self.tokenizer, "eod_id": self.eod_id}
+                "tokenizer": self.tokenizer, "tokenizer_id": self.tokenizer_id, "eod_id": self.eod_id}
 
     def prepare(self) -> None:
         """Close the .bin and write the .idx and the sidecar, all still under temporary names."""

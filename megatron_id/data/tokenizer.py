@@ -2,6 +2,7 @@
 one), or GPT-2 style vocab.json + merges.txt as Megatron's GPT2BPETokenizer takes them."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..errors import UserError
@@ -16,6 +17,91 @@ class TokenizerError(UserError, ValueError):
 
 class TokenizerNotFoundError(UserError, FileNotFoundError):
     """The tokenizer to export or generate with cannot be found."""
+
+
+class TokenizerMismatchError(UserError, ValueError):
+    """Two things that must share a tokenizer (datasets, a checkpoint, a tokenizer file) record
+    different ones: their ids mean different tokens."""
+    same_on_every_rank = True
+
+
+# ------------------------------------------------------------------ one identity for a tokenizer
+#
+# Token ids mean something only through the id -> token table that made them. The identity of
+# a tokenizer is a hash of that table (every id's token string and whether it is special), so
+# the same vocabulary loaded from a tokenizer.json or from GPT-2's vocab.json + merges.txt, or
+# copied to another folder, has the same identity, and any other vocabulary another one. It is
+# written into every dataset sidecar ("tokenizer_id"), checkpoint client state and export
+# (config.json "megatron_id_tokenizer_id"), and `check_same_tokenizer` compares two of them.
+# Merges and normalizers are left out on purpose: they change how text is cut, not what an
+# id means, so data cut differently with one vocabulary still trains one embedding table.
+
+MISMATCH_FLAG = "--allow-tokenizer-mismatch"          # the command-line way to mix on purpose
+MISMATCH_KEY = "data.allow_tokenizer_mismatch=true"   # the training config's
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """'vocab:<16 hex digits>': sha256 of the tokenizer's id -> (token, special) table."""
+    import hashlib
+    import json
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special} \
+        if hasattr(tokenizer, "get_added_tokens_decoder") else set()
+    table = sorted((i, t) for t, i in tokenizer.get_vocab(with_added_tokens=True).items())
+    text = json.dumps([[i, t, t in special] for i, t in table], ensure_ascii=False)
+    return "vocab:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def null_tokenizer_identity(vocab_size: int) -> str:
+    """Megatron's NullTokenizer (ids written as text): the vocabulary is its size alone."""
+    return f"null:{vocab_size}"
+
+
+_IDENTITY_OF_FILE: dict = {}
+
+
+def identity_of_file(path) -> str:
+    """The identity of the tokenizer.json at `path` (loaded once per file version)."""
+    p = Path(path).resolve()
+    stat = p.stat()
+    key = (str(p), stat.st_mtime_ns, stat.st_size)
+    if key not in _IDENTITY_OF_FILE:
+        _IDENTITY_OF_FILE[key] = tokenizer_identity(load_tokenizer(str(p)))
+    return _IDENTITY_OF_FILE[key]
+
+
+def dataset_tokenizer(prefix) -> tuple[str | None, str | None]:
+    """(identity, tokenizer path) the sidecar of the dataset at `prefix` records; the identity
+    is None when neither it nor the tokenizer file it names is known (no sidecar, a moved file)."""
+    from .indexed_dataset import read_meta
+    meta = read_meta(prefix) or {}
+    identity, path = meta.get("tokenizer_id"), meta.get("tokenizer")
+    if identity is None and path and Path(path).is_file():   # data written before identities were
+        identity = identity_of_file(path)                    # recorded: the tokenizer file it names
+    return identity, path
+
+
+def describe_identity(identity: str | None, path: str | None = None) -> str:
+    where = f" ({path})" if path else ""
+    return f"tokenizer {identity}{where}" if identity else f"an unrecorded tokenizer{where}"
+
+
+def check_same_tokenizer(first: tuple, second: tuple, fix: str, allow: bool = False, warn=None) -> bool:
+    """Refuse two sides whose tokenizer identities are both known and differ.
+
+    Each side is (what, identity, path): e.g. ("checkpoint runs/x/checkpoints", "vocab:1a2b...",
+    "/data/gpt2/tokenizer.json"). `fix` ends the message. With `allow` (the user's flag to mix
+    on purpose) the mismatch is a warning instead. Returns True when they are known to match."""
+    (what_a, id_a, path_a), (what_b, id_b, path_b) = first, second
+    if id_a is None or id_b is None:
+        return False
+    if id_a == id_b:
+        return True
+    message = (f"{what_a} was made with {describe_identity(id_a, path_a)} but {what_b} with "
+               f"{describe_identity(id_b, path_b)}: their token ids mean different tokens. {fix}")
+    if not allow:
+        raise TokenizerMismatchError(message)
+    (warn or (lambda m: print(f"warning: {m}", file=sys.stderr)))(message + " (mixed on purpose: allowed)")
+    return False
 
 
 def tokenizer_file(path) -> Path | None:
@@ -118,3 +204,22 @@ def find_tokenizer(given, recorded, source: Path) -> Path:
         raise TokenizerNotFoundError(f"tokenizer {recorded} (recorded in {source}) not found: it was moved or "
                                      f"deleted; {fix}.")
     return Path(recorded)
+
+
+def check_tokenizer_for_model(tokenizer, tokenizer_path, model_vocab: int, recorded: str | None, source,
+                              allow: bool = False) -> str:
+    """A tokenizer about to be used with a trained model (generate, eval, export): it is the one
+    the model was trained with (`recorded`: the identity its checkpoint or export records;
+    None for older ones) and no id of it falls outside the model's embedding table. Returns
+    the tokenizer's identity. Raises TokenizerMismatchError naming both and the fix."""
+    own = tokenizer_identity(tokenizer)
+    check_same_tokenizer((f"the model of {source}", recorded, None), (f"the tokenizer {tokenizer_path}", own, None),
+                         "Pass the tokenizer the model was trained with (--tokenizer), or "
+                         f"{MISMATCH_FLAG} to use this one on purpose.", allow=allow)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > model_vocab:
+        raise TokenizerMismatchError(
+            f"the tokenizer {tokenizer_path} has {size:,} tokens but the model of {source} embeds "
+            f"{model_vocab:,} (model.vocab_size): ids {model_vocab}..{size - 1} would fail on the first text "
+            f"that uses them. Use the tokenizer the model was trained with, or train with model.vocab_size >= {size}.")
+    return own

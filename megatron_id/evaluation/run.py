@@ -107,6 +107,19 @@ def token_stream(trained, docs: list[str]) -> np.ndarray:
     return stream
 
 
+def _check_data_tokenizer(trained, data_path, allow: bool) -> None:
+    """Every prefix scored was made with the tokenizer the model is evaluated with (its ids are
+    decoded by it for bits per byte, and embedded by the model as its own)."""
+    from ..data.gpt_dataset import parse_data_path
+    from ..data.tokenizer import MISMATCH_FLAG, check_same_tokenizer, dataset_tokenizer
+    for _, prefix in parse_data_path(data_path):
+        identity, path = dataset_tokenizer(prefix)
+        check_same_tokenizer((f"--data {prefix}", identity, path),
+                             (f"the tokenizer {trained.tokenizer_path}", trained.tokenizer_id, None),
+                             f"Score data preprocessed with the model's tokenizer, or pass {MISMATCH_FLAG} "
+                             f"to score it anyway.", allow=allow)
+
+
 def gpt_rows(trained, args) -> tuple[np.ndarray, dict]:
     """The trainer's samples of the validation (or another) split, as [count, seq_length + 1]."""
     from ..data.gpt_dataset import build_gpt_datasets, parse_data_path
@@ -116,6 +129,7 @@ def gpt_rows(trained, args) -> tuple[np.ndarray, dict]:
     if not data_path:
         raise EvalError("no --data given and the checkpoint records no data.data_path (an export or an older "
                         "checkpoint): pass --data PREFIX, or --text FILE.")
+    _check_data_tokenizer(trained, data_path, getattr(args, "allow_tokenizer_mismatch", False))
     split = args.split or record.get("split") or "969,30,1"
     seed = args.seed if args.seed is not None else record.get("seed", 1234)
     seq = args.seq_length or record.get("seq_length") or trained.cfg.seq_length
@@ -399,6 +413,8 @@ def add_parser(sub) -> None:
         p.add_argument("--name", nargs="+", default=None, help="a name per checkpoint for the tables (default: "
                        "the folder names)")
         p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint records)")
+        p.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                       help="use a tokenizer (or data) other than the one the model was trained with, on purpose")
         p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
         p.add_argument("--chunk-size", type=int, default=2048, help="tokens per forward call; the state is carried "
                        "between chunks, so memory is bounded by it for the recurrent mixers (default 2048)")
@@ -512,7 +528,7 @@ def command(args) -> int:
                           f"{Path(c).parent.name}/{Path(c).name}" for c in args.checkpoint]
     results = []
     for name, source in zip(names, args.checkpoint):
-        trained = load_trained(source, args.tokenizer)
+        trained = load_trained(source, args.tokenizer, args.allow_tokenizer_mismatch)
         trained.model.to(args.device)
         bytes_of = np.asarray(token_bytes(trained.tokenizer), dtype=np.int64)
         if args.evaluation == "perplexity":

@@ -35,7 +35,7 @@ from ..checkpoint.files import (CLIENT_STATE, ClientState, model_config_dict, mo
 from ..checkpoint.read import checkpoint_folder, read_model_state, write_weights_only
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
-from ..data.tokenizer import find_tokenizer
+from ..data.tokenizer import check_tokenizer_for_model, find_tokenizer, load_tokenizer
 from .bundle import bundle_source
 
 HERE = Path(__file__).resolve().parent
@@ -235,7 +235,12 @@ def _positive(option: str, value: int, meaning: str) -> None:
 
 # ------------------------------------------------------------------ export and import
 
-def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048, overwrite: bool = False) -> Path:
+# config.json's record of the tokenizer identity (data/tokenizer.py) the exported weights go with
+TOKENIZER_ID_KEY = "megatron_id_tokenizer_id"
+
+
+def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048, overwrite: bool = False,
+              allow_tokenizer_mismatch: bool = False) -> Path:
     """Write the Hugging Face folder `output` (see the module doc for when an existing one is
     replaced). Every check runs before anything is written."""
     from safetensors.torch import save_file
@@ -252,6 +257,10 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
     tokenizer = find_tokenizer(tokenizer, client.tokenizer, folder)
     ids = _tokenizer_ids(tokenizer)
     cfg = client.model_config()
+    # the tokenizer shipped with the weights is theirs, and none of its ids is beyond the
+    # embedding table (else every transformers user fails on the first such id)
+    tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(tokenizer)), tokenizer, cfg.vocab_size,
+                                             client.tokenizer_id, folder, allow=allow_tokenizer_mismatch)
     weights = read_model_state(folder, cfg, client.layout)
 
     def build(staging: Path) -> None:
@@ -273,6 +282,7 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
             "eos_token_id": ids["eos_token_id"], "pad_token_id": ids["eos_token_id"],
             "bos_token_id": ids["eos_token_id"], "torch_dtype": "float32", "use_cache": True,
             "megatron_id": {"step": client.step, "saved_layout": client.layout},
+            TOKENIZER_ID_KEY: tokenizer_id,
         }
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "generation_config.json").write_text(json.dumps(
@@ -310,7 +320,7 @@ def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
 
 
 def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, allow_tokenizer_mismatch: bool = False) -> Path:
     """An exported folder -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP (see
     the module doc for when an existing `output` is replaced). Every check runs before anything
     is written."""
@@ -321,11 +331,18 @@ def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int =
     _check_tensor_parallel(cfg, tensor_parallel, folder)
     refuse_output_inside(output, folder.resolve(), "the export being imported", "checkpoints")
     check_output(output, overwrite, "import", why_not_an_import)
+    # the checkpoint records the identity of the tokenizer shipped with the weights, after
+    # checking it is the one the export recorded (a tokenizer.json swapped in by hand is not)
+    tokenizer = (folder / "tokenizer.json").resolve()
+    recorded = json.loads((folder / "config.json").read_text()).get(TOKENIZER_ID_KEY)
+    tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(find_tokenizer(None, str(tokenizer), folder))),
+                                             tokenizer, cfg.vocab_size, recorded, folder,
+                                             allow=allow_tokenizer_mismatch)
     _, cfg, full = read_hf_folder(folder)
     shards = split_state_dict(full, cfg, tensor_parallel)
     layout = {"tensor": tensor_parallel, "pipe": pipeline_parallel, "data": 1, "zero_stage": 0}
     client = ClientState(step=0, layout=layout, model=model_config_dict(cfg), weights_only=True,
-                         tokenizer=str((folder / "tokenizer.json").resolve()))
+                         tokenizer=str(tokenizer), tokenizer_id=tokenizer_id)
 
     def build(staging: Path) -> None:
         write_weights_only(staging, shards, cfg, pipeline_parallel, client)

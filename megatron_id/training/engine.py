@@ -51,12 +51,14 @@ from ..parallel.tensor_parallel import parallel_model
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
 from ..parallel.pipeline import pipeline_model
 from ..parallel.fused_cross_entropy import lm_head_loss
+from .agreement import check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
 from .documents import DocumentOptions, document_index, masked_mean
 from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
                           local_device_index, skip_deepspeed_shm_build, uses_cuda)
 from .compilation import check_compile_toolchain, compile_engine
 from .layout import deepspeed_config, training_layout
 from .metrics import Metrics
+from .plan import run_estimate_gib
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
 
 
@@ -78,7 +80,9 @@ class Trainer:
         self.cfg = cfg
         self.layout = training_layout(cfg, dist.get_world_size())   # all checks before any work
         self.save_lock = None
-        self.resume_from = agree_on_rank0(self._preflight)          # data and folders, on rank 0
+        # data, tokenizers and folders, on rank 0; every rank learns where to resume from and
+        # the tokenizer identity its checkpoints record
+        self.resume_from, self.tokenizer_id = agree_on_rank0(self._preflight)
         try:
             self._build()
         except BaseException:
@@ -138,29 +142,36 @@ class Trainer:
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
         self._restart_sampler()
-        self.stop_requested, self.saved_step = False, self.step
+        self.stop_requested, self.saved_step, self.stop_signal = False, self.step, 0
 
-    def _preflight(self) -> str | None:
-        """Rank 0, before DeepSpeed starts: the checks that read files (data, checkpoint folders)
-        and the lock on train.save. Returns the checkpoint root to resume from."""
+    def _preflight(self) -> tuple[str | None, str | None]:
+        """Rank 0, before DeepSpeed starts: the checks that read files (data, tokenizers,
+        checkpoint folders) and the lock on train.save. Returns the checkpoint root to resume
+        from and the identity of the data's tokenizer (training/agreement.py)."""
         t, d, m = self.cfg.train, self.cfg.data, self.cfg.model
         if not d.data_path:
             raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
                               "(data.data_path=[data/my_corpus_text_document]).")
         check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
+        tokenizer = run_tokenizer(self.cfg)   # the blend, data.tokenizer and model.vocab_size agree
+        if not uses_cuda():   # the OOM killer ends a CPU run over the host's memory without a word
+            check_host_memory(self.cfg, self.layout, run_estimate_gib(self.cfg, self.layout, on_gpu=False))
         DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
         if t.compile:   # inductor's compiler, before the first step would find it missing
             check_compile_toolchain("cuda" if uses_cuda() else "cpu")
         resume, note = check_save_and_load(t.save, t.load)
         if resume is not None:
-            check_resume_batch(latest_folder(resume), self.layout.global_batch_size)
+            folder = latest_folder(resume)
+            check_resume_model(folder, self.cfg)
+            check_resume_batch(folder, self.layout.global_batch_size)
+            check_resume_tokenizer(folder, tokenizer, d.allow_tokenizer_mismatch)
         if t.save:
             self.save_lock = SaveLock(t.save)   # held until close(): no second live run writes here
             for path in remove_stale_staging(t.save):
                 print(f"removed {path}, left by an interrupted save", file=sys.stderr, flush=True)
         if note:
             print(note, file=sys.stderr, flush=True)
-        return None if resume is None else str(resume)
+        return None if resume is None else str(resume), tokenizer.identity
 
     def close(self) -> None:
         """Release train.save (the lock) at the end of a run."""
@@ -393,13 +404,15 @@ class Trainer:
         return "none (no checkpoint was saved; set train.save and train.save_interval)"
 
     def _request_stop(self, signum, frame):
-        self.stop_requested = True
+        self.stop_requested = signum
 
     def _stop_agreed(self) -> bool:
-        """Every rank stops at the same step if any one of them was signalled."""
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
+        """Every rank stops at the same step if any one of them was signalled; each learns
+        the signal (the largest number, if ranks got different ones) for the closing line."""
+        flag = torch.tensor([float(int(self.stop_requested or 0))], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.stop_signal = int(flag.item())
+        return bool(self.stop_signal)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -408,6 +421,7 @@ class Trainer:
             step=self.step, model=model_config_dict(self.cfg.model), layout=engine_io.current_layout(self),
             consumed_samples=self.step * self.layout.global_batch_size,
             tokenizer=str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
+            tokenizer_id=self.tokenizer_id,
             evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state(),
             data=self.data_record())
         folder = engine_io.save(self, root, client)

@@ -1,0 +1,256 @@
+"""Careless inputs to the data tools get clear refusals (issue 26).
+
+Each refusal is one line naming the file or value and the fix, with a non-zero exit, no
+traceback, and nothing changed on disk (`refused`, tests/bad_inputs.py); where refusing would
+be wrong, the run goes on and a warning or note line says what was dropped, with a count.
+  - preprocess records the tokenizer's identity in the sidecar; old sidecars still read;
+  - merge refuses datasets of different tokenizers (by identity, else by vocabulary size)
+    unless --allow-tokenizer-mismatch, an input given twice, and an output that is an input;
+  - inspect --tokenizer refuses a tokenizer other than the one the sidecar records;
+  - preprocess reads a file reached twice once, never reads its own outputs or tokenizer and
+    config files in an input folder, refuses a repeated --json-keys key, accepts a UTF-8 BOM;
+  - train_tokenizer says when the corpus gave fewer tokens than --vocab-size asked.
+"""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bad_inputs import refused, run_module
+from conftest import ROOT
+from data_tools import inspect as inspect_tool
+from data_tools import train_tokenizer as train_tool
+from data_tools.preprocess import main as preprocess_main
+from megatron_id.data.indexed_dataset import IndexedDataset, check_token_ids, meta_path, read_meta
+from megatron_id.data.tokenizer import dataset_tokenizer, identity_of_file, load_tokenizer, tokenizer_identity
+
+DATA = ROOT / "tests" / "data"
+FINEWEB = DATA / "fineweb-edu-sample-150.jsonl"
+GPT2 = DATA / "gpt2-tokenizer.json"
+SHAKESPEARE = DATA / "tinyshakespeare-200k.txt"
+PRE, MERGE, INSPECT = "data_tools.preprocess", "data_tools.merge", "data_tools.inspect"
+EXTS = (".bin", ".idx", ".meta.json")
+ID = r"vocab:[0-9a-f]{16}"
+
+
+def rows(n):
+    return [json.loads(line) for line in open(FINEWEB, encoding="utf-8")][:n]
+
+
+def jsonl_bytes(items) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in items)
+
+
+def preprocess_args(inputs, out, tokenizer=GPT2, *extra):
+    return ["--input", *map(str, inputs), "--tokenizer", str(tokenizer), "--output-prefix", str(out),
+            "--append-eod", "--no-progress", *extra]
+
+
+def preprocess(inputs, out, tokenizer=GPT2, *extra) -> Path:
+    assert preprocess_main(preprocess_args(inputs, out, tokenizer, *extra)) == 0
+    return Path(f"{out}_text_document")
+
+
+def copy_pair(source: Path, folder: Path, name="copy_text_document", drop_identity=False) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for ext in EXTS:
+        shutil.copyfile(f"{source}{ext}", folder / f"{name}{ext}")
+    if drop_identity:   # a sidecar written before identities were recorded
+        meta = json.loads(meta_path(folder / name).read_text())
+        del meta["tokenizer_id"]
+        meta_path(folder / name).write_text(json.dumps(meta, indent=1) + "\n")
+    return folder / name
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Five documents preprocessed with GPT-2 and with a tiny byte-level BPE trained here (same
+    uint16 dtype, other ids), and that tiny tokenizer."""
+    folder = tmp_path_factory.mktemp("careless")
+    docs = folder / "docs.jsonl"
+    docs.write_bytes(jsonl_bytes(rows(5)))
+    tiny = folder / "tiny" / "tokenizer.json"
+    tiny.parent.mkdir()
+    train_tool.train([SHAKESPEARE], 300).save(str(tiny))
+    return {"folder": folder, "docs": docs, "tiny": tiny,
+            "gpt2": preprocess([docs], folder / "pairs" / "gpt2"),
+            "small": preprocess([docs], folder / "pairs" / "small", tiny)}
+
+
+# ------------------------------------------------------------------ 1. the identity in the sidecar
+
+def test_preprocess_records_the_tokenizer_identity_and_old_sidecars_still_read(data, tmp_path):
+    gpt2, small = read_meta(data["gpt2"]), read_meta(data["small"])
+    own = tokenizer_identity(load_tokenizer(str(GPT2)))
+    assert re.fullmatch(ID, own) and gpt2["tokenizer_id"] == own == identity_of_file(GPT2)
+    assert (gpt2["tokenizer"], gpt2["eod_id"], gpt2["vocab_size"]) == (str(GPT2.resolve()), 50256, 50257)
+    assert small["tokenizer_id"] == identity_of_file(data["tiny"]) != own
+    assert small["vocab_size"] == 300 and small["dtype"] == gpt2["dtype"] == "uint16"
+    assert dataset_tokenizer(data["gpt2"]) == (own, str(GPT2.resolve()))
+    # a sidecar without the key (written before identities were recorded) reads as unknown
+    old = copy_pair(data["gpt2"], tmp_path, drop_identity=True)
+    assert dataset_tokenizer(old) == (None, str(GPT2.resolve()))
+    assert check_token_ids(old, 50257)["source"] == "sidecar"
+    assert inspect_tool.main([str(old), "--check", "--tokenizer", str(GPT2), "--doc", "0"]) == 0
+
+
+# ------------------------------------------------------------------ 2. merge: one tokenizer
+
+def test_merge_refuses_datasets_of_different_tokenizers_unless_allowed(data, tmp_path):
+    out = tmp_path / "out" / "merged"
+    refused([MERGE, out, data["gpt2"], data["small"]], unchanged=[tmp_path, data["folder"]],
+            mention=rf"merge: error: input .*gpt2_text_document was made with tokenizer {ID} \(.*gpt2-tokenizer"
+                    rf"\.json\) but input .*small_text_document with tokenizer {ID} \(.*tiny/tokenizer\.json\): "
+                    rf"their token ids mean different tokens\. Merge only .* --allow-tokenizer-mismatch")
+    assert not (tmp_path / "out").exists()
+    # sidecars without identities: told apart by their vocabulary sizes
+    old_gpt2 = copy_pair(data["gpt2"], tmp_path / "old", "gpt2", drop_identity=True)
+    old_small = copy_pair(data["small"], tmp_path / "old", "small", drop_identity=True)
+    refused([MERGE, out, old_gpt2, old_small], unchanged=[tmp_path],
+            mention=r"input .*old/gpt2 was made with tokenizer of 50,257 tokens .* but input .*old/small with "
+                    r"tokenizer of 300 tokens .*--allow-tokenizer-mismatch")
+    # on purpose: a warning, and the merged sidecar records no tokenizer
+    done = run_module(MERGE, [out, data["gpt2"], data["small"], "--allow-tokenizer-mismatch"])
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"merge: warning: input .* was made with tokenizer .* \(mixed on purpose: allowed\)", done.stderr)
+    meta = read_meta(out)
+    assert (meta["tokenizer"], meta["tokenizer_id"], meta["num_documents"]) == (None, None, 10)
+    # the same tokenizer (a copy of the GPT-2 pair, an old sidecar of it): kept in the merged sidecar
+    same = copy_pair(data["gpt2"], tmp_path / "same")
+    done = run_module(MERGE, [tmp_path / "agreed", data["gpt2"], same, old_gpt2])
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    meta, gpt2 = read_meta(tmp_path / "agreed"), read_meta(data["gpt2"])
+    assert (meta["tokenizer"], meta["eod_id"], meta["vocab_size"]) == (gpt2["tokenizer"], 50256, 50257)
+    assert meta["tokenizer_id"] is None   # one input does not record it
+    done = run_module(MERGE, [tmp_path / "agreed2", data["gpt2"], same])
+    assert done.returncode == 0, done.stderr
+    assert read_meta(tmp_path / "agreed2")["tokenizer_id"] == gpt2["tokenizer_id"]
+
+
+# ------------------------------------------------------------------ 3. merge: inputs and output
+
+def test_merge_refuses_an_input_given_twice_and_an_output_that_is_an_input(data, tmp_path):
+    pair = copy_pair(data["gpt2"], tmp_path / "data", "corpus_text_document")
+    other = copy_pair(data["gpt2"], tmp_path / "data", "other_text_document")
+    refused([MERGE, tmp_path / "merged", pair, other, pair], unchanged=[tmp_path],
+            mention=r"input .*corpus_text_document is given twice: its 5 documents would be written twice\. "
+                    r"Name each dataset once")
+    # the same dataset spelled two ways (without _text_document, through a symlinked folder)
+    os.symlink(tmp_path / "data", tmp_path / "link")
+    refused([MERGE, tmp_path / "merged", tmp_path / "data" / "corpus", tmp_path / "link" / "corpus_text_document.bin"],
+            unchanged=[tmp_path], mention=r"is given twice \(as .*data/corpus and as .*link/corpus_text_document\.bin\)")
+    # the output is one of the inputs: refused even with --overwrite (it would replace what it reads)
+    for output in (pair, tmp_path / "link" / "corpus_text_document"):
+        refused([MERGE, output, other, pair, "--overwrite"], unchanged=[tmp_path],
+                mention=r"output prefix .*corpus_text_document is the input .*corpus_text_document: .*--overwrite "
+                        r"or not; nothing was written\. Choose another output prefix")
+
+
+# ------------------------------------------------------------------ 4. inspect --tokenizer
+
+def test_inspect_refuses_a_tokenizer_other_than_the_recorded_one(data, capsys):
+    refused([INSPECT, data["gpt2"], "--tokenizer", data["tiny"], "--doc", "0"], unchanged=[data["folder"]],
+            mention=rf"inspect: error: dataset .*gpt2_text_document was made with tokenizer {ID} \(.*gpt2-tokenizer"
+                    rf"\.json\) but --tokenizer .*tiny/tokenizer\.json with tokenizer {ID}: .*Pass the tokenizer the "
+                    rf"data was preprocessed with \(--tokenizer .*gpt2-tokenizer\.json\), or --allow-tokenizer-mismatch")
+    text = rows(1)[0]["text"]
+    assert inspect_tool.main([str(data["gpt2"]), "--tokenizer", str(GPT2), "--doc", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert text in out and "warning" not in err
+    assert inspect_tool.main([str(data["gpt2"]), "--tokenizer", str(data["tiny"]), "--doc", "0",
+                              "--allow-tokenizer-mismatch"]) == 0
+    out, err = capsys.readouterr()
+    assert "inspect: warning: dataset" in err and "(mixed on purpose: allowed)" in err and text not in out
+
+
+# ------------------------------------------------------------------ 5. preprocess inputs
+
+def test_a_file_reached_twice_is_read_once_with_a_counted_note(data, tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(jsonl_bytes(rows(3)))
+    (folder / "b.jsonl").write_bytes(jsonl_bytes(rows(5)[3:]))
+    os.symlink(folder / "a.jsonl", tmp_path / "alias.jsonl")
+    once = preprocess([folder / "a.jsonl", folder / "b.jsonl"], tmp_path / "once")
+    capsys.readouterr()
+    twice = preprocess([folder / "a.jsonl", folder / "a.jsonl", f"{folder}/*.jsonl", tmp_path / "alias.jsonl",
+                        folder], tmp_path / "twice")
+    err = capsys.readouterr().err
+    assert "documents read: 5" in err and "documents written: 5" in err, err
+    assert re.search(r"preprocess: note: 5 duplicate inputs dropped, each file is read once: .*a\.jsonl "
+                     r"\(given 5 times\), .*b\.jsonl \(given 2 times\)", err), err
+    assert "note: 5 duplicate inputs dropped" in err.strip().splitlines()[-1]   # repeated at the end
+    for ext in (".bin", ".idx"):
+        assert Path(f"{once}{ext}").read_bytes() == Path(f"{twice}{ext}").read_bytes()
+
+
+def test_outputs_and_tokenizer_files_in_the_input_folder_are_not_read(data, tmp_path, capsys):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "docs.jsonl").write_bytes(jsonl_bytes(rows(4)))
+    shutil.copyfile(data["tiny"], folder / "tokenizer.json")
+    (folder / "settings.json").write_text(json.dumps({"text": "not a document", "lr": 3e-4}, indent=2))
+    first = preprocess([folder], folder / "out")
+    err = capsys.readouterr().err
+    assert "documents read: 4" in err and "documents skipped: 0" in err, err
+    assert re.search(r"note: 2 files in the input folders or globs skipped, not documents: .*settings\.json "
+                     r"\(one pretty-printed JSON object, not JSON lines\), .*tokenizer\.json \(a tokenizer or "
+                     r"model config file\)", err), err
+    # the next run into the same folder does not ingest the first run's outputs (nor by a glob)
+    second = preprocess([folder], folder / "again")
+    err = capsys.readouterr().err
+    assert "documents read: 4" in err and "note: 3 files" in err and "out_text_document.meta.json (a dataset " \
+        "sidecar)" in err, err
+    third = preprocess([f"{folder}/*.json*"], tmp_path / "glob")
+    err = capsys.readouterr().err
+    assert "documents read: 4" in err and "note: 4 files" in err, err
+    for ext in (".bin", ".idx"):
+        assert Path(f"{first}{ext}").read_bytes() == Path(f"{second}{ext}").read_bytes() == \
+            Path(f"{third}{ext}").read_bytes()
+    # a glob that reaches only such files is refused, naming them
+    refused([PRE, *preprocess_args([f"{folder}/*.json"], tmp_path / "new" / "out")], unchanged=[tmp_path],
+            mention=r"input '.*corpus/\*\.json' holds no document file: only .*again_text_document\.meta\.json "
+                    r"\(a dataset sidecar\), .*Name the data files")
+
+
+def test_a_repeated_json_key_is_refused_before_any_work(data, tmp_path):
+    refused([PRE, *preprocess_args([data["docs"]], tmp_path / "new" / "out", GPT2, "--json-keys", "text", "id",
+                                   "text")], unchanged=[tmp_path, data["folder"]],
+            mention=r"preprocess: error: --json-keys text id text: the key 'text' is given 2 times, but each key "
+                    r"makes its own dataset \(.*new/out_text_document\): name each key once\.")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_utf8_byte_order_mark_is_not_a_malformed_document(data, tmp_path, capsys):
+    bom = b"\xef\xbb\xbf"
+    items = rows(3)
+    (tmp_path / "bom.jsonl").write_bytes(bom + jsonl_bytes(items))
+    (tmp_path / "bom_array.json").write_bytes(bom + json.dumps(items).encode())
+    prefix = preprocess([tmp_path / "bom.jsonl", tmp_path / "bom_array.json"], tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "documents written: 6" in err and "documents skipped: 0" in err, err
+    plain = preprocess([data["docs"]], tmp_path / "plain")
+    ds, ref = IndexedDataset(prefix), IndexedDataset(plain)
+    for i in range(3):   # the same ids as without the mark: it is not text
+        assert np.array_equal(ds[i], ref[i]) and np.array_equal(ds[3 + i], ref[i])
+
+
+# ------------------------------------------------------------------ 6. train_tokenizer
+
+def test_train_tokenizer_says_when_it_got_fewer_tokens_than_asked(tmp_path, capsys):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("the cat sat on the mat\nthe dog sat on the log\n" * 20)
+    assert train_tool.main(["--input", str(corpus), "--vocab-size", "70000", "--output",
+                            str(tmp_path / "tok.json")]) == 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    found = re.fullmatch(r"train_tokenizer: warning: --vocab-size 70,000 asked, (\d+) obtained: the corpus is too "
+                         r"small \(920 characters in 1 file\).*Train on more text, or lower --vocab-size.*", last)
+    assert found, last
+    assert int(found[1]) == load_tokenizer(str(tmp_path / "tok.json")).get_vocab_size() < 300
+    # a vocabulary the corpus can fill: no warning
+    assert train_tool.main(["--input", str(corpus), "--vocab-size", "260", "--output", str(tmp_path / "ok.json")]) == 0
+    assert "warning" not in capsys.readouterr().err
