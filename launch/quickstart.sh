@@ -13,8 +13,26 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${1:-$ROOT/runs/quickstart-$(date +%Y%m%d-%H%M%S)}"
-[[ $# -gt 0 ]] && shift
+# an override in the folder's place (`quickstart.sh model.mixer=softmax`) is an override, not a
+# folder named "model.mixer=softmax"
+if [[ $# -gt 0 && "$1" != *=* ]]; then
+    OUT="$1"
+    shift
+else
+    OUT="$ROOT/runs/quickstart-$(date +%Y%m%d-%H%M%S)"
+fi
+for item in "$@"; do
+    if [[ "$item" != *=* ]]; then
+        echo "quickstart: '$item' is not a key=value override; usage: bash launch/quickstart.sh [OUTPUT_DIR] [key=value ...]" >&2
+        exit 2
+    fi
+done
+# a second run into the same folder would meet the first one's data and checkpoints (and
+# preprocess's advice to pass --overwrite, which this script does not take)
+if [[ -d "$OUT" && -n "$(ls -A "$OUT" 2>/dev/null)" ]]; then
+    echo "quickstart: $OUT already holds a run: give a new OUTPUT_DIR (or none, for a dated one); to train that run further, add train.load=$OUT/checkpoints and a larger train.train_tokens to its train command (README, Quickstart)" >&2
+    exit 2
+fi
 PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-2}"
 cd "$ROOT"

@@ -222,21 +222,25 @@ def cmd_generate(args) -> int:
 def cmd_plan(args) -> int:
     """Memory and communication per GPU of every layout the engine accepts (training/plan.py)."""
     from .training.plan import GiB, parse_size, plan, rank_key, recommend
-    overrides = list(args.overrides)
-    if args.seq_length:
-        overrides.append(f"model.seq_length={args.seq_length}")
-    if args.global_batch:
-        overrides.append(f"train.global_batch_size={args.global_batch}")
-    cfg = load_config(args.config, overrides)
     from .config import ConfigError
-    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: must be at least 1.")
+    # every option before the config is read; `is not None`: 0 is a value given, and wrong
+    for flag, value, least in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
+                               ("--seq-length", args.seq_length, 1), ("--global-batch", args.global_batch, 1),
+                               ("--max-micro-batch", args.max_micro_batch, 1), ("--top", args.top, 0)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} {value}: must be at least {least}.")
     if not 0 <= args.margin < 1:
         raise ConfigError(f"--margin {args.margin}: must be in [0, 1) (a fraction of --gpu-memory kept free).")
-    gpu_memory = parse_size(args.gpu_memory)
+    gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
+    overhead = parse_size(args.overhead, "--overhead", allow_zero=True)
+    overrides = list(args.overrides)
+    if args.seq_length is not None:
+        overrides.append(f"model.seq_length={args.seq_length}")
+    if args.global_batch is not None:
+        overrides.append(f"train.global_batch_size={args.global_batch}")
+    cfg = load_config(args.config, overrides)
     estimates = plan(cfg, args.nodes * args.gpus_per_node, gpu_memory, margin=args.margin,
-                     overhead=parse_size(args.overhead), max_micro_batch=args.max_micro_batch)
+                     overhead=overhead, max_micro_batch=args.max_micro_batch)
     best, why = recommend(estimates)
     if args.json:
         print(json.dumps({"gpu_memory": gpu_memory, "margin": args.margin,
@@ -247,7 +251,7 @@ def cmd_plan(args) -> int:
     print(f"{m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} seq_length={m.seq_length} "
           f"global batch {t.global_batch_size} sequences, precision {t.precision.value}; "
           f"{args.nodes} x {args.gpus_per_node} GPUs of {gpu_memory / GiB:.0f} GiB, fits = total <= "
-          f"{1 - args.margin:.0%} of that (overhead {parse_size(args.overhead) / GiB:.1f} GiB per GPU included)")
+          f"{1 - args.margin:.0%} of that (overhead {overhead / GiB:.1f} GiB per GPU included)")
     rows = sorted(estimates, key=rank_key)   # the recommended layout first
     if args.top:
         rows = rows[:args.top]
@@ -284,7 +288,7 @@ def cmd_job_prepare(args) -> int:
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     parsed = argparse.ArgumentParser(prog="megatron-id train", allow_abbrev=False)
     _add_config_args(parsed)
-    parsed = parsed.parse_args(train_args)
+    parsed = _parse_with_overrides_anywhere(parsed, train_args)
     values = prepare(args.run_dir, parsed.config, parsed.overrides, world_size=args.world_size,
                      job_id=args.job_id, attempt=args.attempt)
     sys.stdout.write(shell_lines(values))
@@ -416,8 +420,20 @@ def main(argv=None) -> int:
     if argv[:1] == ["kernel-resources"]:   # its own parser (ops/interdomain/resources.py)
         from .ops.interdomain.resources import main as resources_main
         return run_guarded("megatron-id kernel-resources", lambda: resources_main(argv[1:]), debug=debug)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = _parse_with_overrides_anywhere(parser, argv)
     return run_guarded("megatron-id", lambda: args.func(args), debug=debug)
+
+
+def _parse_with_overrides_anywhere(parser: argparse.ArgumentParser, argv):
+    """`--config` may come after the key=value overrides, as users type it (argparse alone ends
+    the positional list at the first option and rejects the rest as unrecognized)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides = list(args.overrides) + extra   # after the first ones: the order is kept
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def entry() -> None:

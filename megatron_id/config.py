@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -237,6 +239,7 @@ def _merge(base, other, source: str):
 def load_config(files=(), overrides=()) -> Config:
     """Schema defaults <- each YAML file in order <- `key=value` overrides; then validate."""
     cfg = OmegaConf.structured(Config)
+    given: set[str] = set()
     for path in files:
         path = Path(path)
         if not path.is_file():
@@ -247,12 +250,44 @@ def load_config(files=(), overrides=()) -> Config:
         except Exception as err:   # yaml errors come in several types
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         cfg = _merge(cfg, loaded, str(path))
+        given.update(_dotted_keys(OmegaConf.to_container(loaded)) if isinstance(loaded, DictConfig) else ())
+    seen: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"command-line override '{item}' is not of the form key=value "
                               f"(for example model.mixer=softmax).")
+        key, value = (part.strip() for part in item.split("=", 1))
+        # the same key twice with two values: the last wins, as in Megatron's argparse, because
+        # scripts put their own overrides before the user's (quickstart.sh, local.sh, the SLURM
+        # job); but it is said, so that a typo or a pasted line does not train unread
+        if key in seen and seen[key] != value and os.environ.get("RANK", "0") == "0":
+            print(f"warning: override {key} given twice, as {key}={seen[key]} and then {key}={value}: "
+                  f"the last one, {value}, is used.", file=sys.stderr, flush=True)
+        seen[key] = value
         cfg = _merge(cfg, OmegaConf.from_dotlist([_as_list_override(item)]), f"override '{item}'")
-    return resolve(OmegaConf.to_object(cfg))
+        given.update(_dotted_keys(OmegaConf.to_container(OmegaConf.from_dotlist([_as_list_override(item)]))))
+    out = resolve(OmegaConf.to_object(cfg))
+    out.given_keys = frozenset(given)   # what a file or an override set (the rest: schema defaults)
+    return out
+
+
+def defaulted_keys(cfg: Config, keys) -> list[str] | None:
+    """Those of `keys` (dotted) that no config file or override set, so the schema's default
+    decided them; None for a config not made by load_config (its origin is unknown)."""
+    given = getattr(cfg, "given_keys", None)
+    return None if given is None else [k for k in keys if k not in given]
+
+
+def _dotted_keys(tree, prefix: str = "") -> set[str]:
+    """{'model': {'d_model': 64}} -> {'model.d_model'} (dict values of free dict keys, such as
+    train.deepspeed, count as their key)."""
+    keys = set()
+    for k, v in (tree.items() if isinstance(tree, dict) else ()):
+        name = f"{prefix}{k}"
+        keys.add(name)
+        if isinstance(v, dict):
+            keys |= _dotted_keys(v, name + ".")
+    return keys
 
 
 LIST_KEYS = ("data.data_path",)

@@ -91,9 +91,15 @@ def test_preprocess_records_the_tokenizer_identity_and_old_sidecars_still_read(d
     assert small["tokenizer_id"] == identity_of_file(data["tiny"]) != own
     assert small["vocab_size"] == 300 and small["dtype"] == gpt2["dtype"] == "uint16"
     assert dataset_tokenizer(data["gpt2"]) == (own, str(GPT2.resolve()))
-    # a sidecar without the key (written before identities were recorded) reads as unknown
+    # a sidecar without the key (written before identities were recorded) takes the identity of
+    # the tokenizer file it names; when that file is gone too, the identity is unknown
     old = copy_pair(data["gpt2"], tmp_path, drop_identity=True)
-    assert dataset_tokenizer(old) == (None, str(GPT2.resolve()))
+    assert dataset_tokenizer(old) == (own, str(GPT2.resolve()))
+    meta = json.loads(meta_path(old).read_text())
+    moved = copy_pair(data["gpt2"], tmp_path / "moved", drop_identity=True)
+    meta["tokenizer"] = str(tmp_path / "no-such" / "tokenizer.json")
+    meta_path(moved).write_text(json.dumps(meta, indent=1) + "\n")
+    assert dataset_tokenizer(moved) == (None, meta["tokenizer"])
     assert check_token_ids(old, 50257)["source"] == "sidecar"
     assert inspect_tool.main([str(old), "--check", "--tokenizer", str(GPT2), "--doc", "0"]) == 0
 

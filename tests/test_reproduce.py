@@ -59,7 +59,7 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     assert latest.read_text().strip() == "iter_0000024"
     log = (out / "logs" / "interdomain.log").read_text()
     # the first attempt stopped early (saving), the second loaded that checkpoint and finished
-    assert f"finished at step {int(stopped[5:])};" in log and log.count("finished at step 24;") == 1
+    assert f"stopped at step {int(stopped[5:])} of 24 (SIGTERM)" in log and log.count("finished at step 24;") == 1
     assert f"steps {int(stopped[5:]) + 1}-24 |" in log, log[-3000:]   # the second attempt's header
     report = (out / "replication.md").read_text()
     for part in ("## The orderings", "| softmax |", "| interdomain |", "## Length extrapolation", "## Recall",

@@ -67,7 +67,12 @@ def latest_folder(root) -> Path | None:
     if not (root / "latest").is_file():
         return None
     tag = (root / "latest").read_text().strip()
-    if not tag or "/" in tag or not (root / tag).is_dir():
+    if not tag:
+        present = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
+        choice = f" (here: {', '.join(present[-3:])})" if present else " (there is none here)"
+        raise CheckpointError(f"{root}/latest is empty: it names no checkpoint. Write the name of an existing "
+                              f"iter_XXXXXXX folder of {root}{choice} into {root}/latest, or give that folder itself.")
+    if "/" in tag or not (root / tag).is_dir():
         raise CheckpointError(f"{root}/latest names '{tag}' but {root / tag} does not exist: write the "
                               f"name of an existing iter_XXXXXXX folder of {root} into {root}/latest.")
     return root / tag

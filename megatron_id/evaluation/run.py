@@ -62,7 +62,10 @@ def read_documents(paths) -> list[str]:
                             f"with a 'text' field).")
         name = path.name.lower()
         if name.endswith((".txt", ".md", ".raw")):
-            docs.append(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            if not text.strip():
+                raise EvalError(f"--text {path}: the file is empty (no text to score): give a file with text.")
+            docs.append(text)
             continue
         if not name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson")):
             raise EvalError(f"--text {path}: unsupported type; use .txt, .jsonl, .jsonl.gz or .jsonl.zst.")
@@ -489,25 +492,32 @@ def tasks_command(args) -> int:
 
 
 def check_args(args) -> None:
-    rules = [("--chunk-size", args.chunk_size, args.chunk_size >= 1), ("--batch-size", args.batch_size, args.batch_size >= 1)]
+    # (option, value, within range, the range in words)
+    rules = [("--chunk-size", args.chunk_size, args.chunk_size >= 1, "at least 1"),
+             ("--batch-size", args.batch_size, args.batch_size >= 1, "at least 1")]
     if args.name is not None and len(args.name) != len(args.checkpoint):
         raise EvalError(f"--name gives {len(args.name)} names for {len(args.checkpoint)} checkpoints.")
     if args.evaluation == "perplexity":
         if args.data and args.text:
             raise EvalError("give --data or --text, not both.")
-        rules += [(o, v, v is None or v >= 1) for o, v in (("--seq-length", args.seq_length), ("--samples", args.samples),
-                                                            ("--count", args.count), ("--max-tokens", args.max_tokens))]
-        rules.append(("--first-sample", args.first_sample, args.first_sample >= 0))
+        rules += [(o, v, v is None or v >= 1, "at least 1") for o, v in (
+            ("--seq-length", args.seq_length), ("--samples", args.samples), ("--count", args.count),
+            ("--max-tokens", args.max_tokens))]
+        rules.append(("--first-sample", args.first_sample, args.first_sample >= 0, "at least 0"))
     elif args.evaluation == "length":
-        rules += [("--max-tokens", args.max_tokens, args.max_tokens >= 1), ("--bucket", args.bucket, args.bucket > 0)]
-        rules += [("--factors", f, f > 0) for f in args.factors]
+        rules += [("--max-tokens", args.max_tokens, args.max_tokens >= 1, "at least 1"),
+                  ("--bucket", args.bucket, args.bucket > 0, "more than 0")]
+        rules += [("--factors", f, f > 0, "more than 0 (multiples of the training context, e.g. 1 2 4)")
+                  for f in args.factors]
     else:
-        rules += [("--samples", args.samples, args.samples >= 1)]
-        rules += [("--depths", d, 0 <= d <= 1) for d in args.depths] + [("--factors", f, f > 0) for f in args.factors]
-        rules += [("--pairs", n, n >= 1) for n in args.pairs]
-    for option, value, ok in rules:
+        rules += [("--samples", args.samples, args.samples >= 1, "at least 1")]
+        rules += [("--depths", d, 0 <= d <= 1, "from 0 to 1 (a fraction of the context)") for d in args.depths]
+        rules += [("--factors", f, f > 0, "more than 0 (multiples of the training context, e.g. 1 2 4)")
+                  for f in args.factors]
+        rules += [("--pairs", n, n >= 1, "at least 1") for n in args.pairs]
+    for option, value, ok, valid in rules:
         if not ok:
-            raise EvalError(f"{option} {value} is out of range.")
+            raise EvalError(f"{option} {value} is out of range: it must be {valid}.")
     from ..errors import BadOptionError
     from ..generation import resolve_device
     try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.files import model_config_dict, read_client_state
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, defaulted_keys
 from ..data.gpt_dataset import parse_data_path
 from ..data.indexed_dataset import IndexedDataset, matching_meta
 from ..data.tokenizer import (MISMATCH_KEY, check_same_tokenizer, identity_of_file,
@@ -177,11 +177,8 @@ def check_host_memory(cfg: Config, layout, planned_gib: float) -> None:
 
 def model_origin(cfg: Config) -> str:
     """'' when a config file or override set the model; else where its shape came from."""
-    given = getattr(cfg, "given_keys", None)
-    if given is None:
-        return ""
     shape = ("model.d_model", "model.n_layers", "model.n_heads", "model.vocab_size")
-    missing = [k for k in shape if k not in given]
+    missing = defaulted_keys(cfg, shape)
     if not missing:
         return ""
     if len(missing) == len(shape):

@@ -44,6 +44,7 @@ from ..checkpoint import engine_io
 from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, remove_stale_staging, rng_state,
                                 set_rng_state, step_of)
 from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
+from ..checkpoint.integrity import CheckpointError
 from ..errors import UserError
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, parse_data_path
 from ..parallel import state, vocab_parallel_cross_entropy
@@ -398,7 +399,10 @@ class Trainer:
 
     def _last_checkpoint(self) -> str:
         for root in (self.cfg.train.save, self.cfg.train.load):
-            folder = latest_folder(root) if root else None
+            try:
+                folder = latest_folder(root) if root else None
+            except CheckpointError as err:   # an empty or dangling `latest`: said, not raised
+                return f"none readable ({err})"
             if folder is not None:
                 return f"{folder} (step {step_of(folder.name)})"
         return "none (no checkpoint was saved; set train.save and train.save_interval)"

@@ -32,6 +32,24 @@ def memory_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def defaults_that_decided(cfg) -> str:
+    """A sentence naming the model shape and budget keys no config file or override set (the
+    schema's defaults: the 125M model, 4K context, the paper's budget), '' when all were given."""
+    from omegaconf import OmegaConf
+    from ..config import defaulted_keys
+    groups = {"the model": ("model.d_model", "model.n_layers", "model.n_heads", "model.vocab_size",
+                            "model.seq_length"),
+              "the budget": ("train.train_tokens", "train.global_batch_size")}
+    parts = []
+    for what, keys in groups.items():
+        missing = defaulted_keys(cfg, keys)
+        if missing:
+            shown = ", ".join(f"{k}={OmegaConf.select(OmegaConf.structured(cfg), k)}" for k in missing)
+            parts.append(f"{what}: {shown}")
+    return ("the schema's defaults decided " + "; ".join(parts) +
+            " (no config file or override sets them)") if parts else ""
+
+
 class Metrics:
     def __init__(self, cfg, layout, is_logger: bool):
         self.layout, self.peak = layout, cfg.train.peak_tflops
@@ -58,6 +76,9 @@ class Metrics:
               f"{lay.gradient_accumulation} accumulation x {lay.data} DP | steps {start_step + 1}-{lay.train_iters} | "
               f"planned memory {self._planned_gib(cfg):.1f} GiB per rank (megatron-id plan)",
               file=sys.stderr, flush=True)
+        defaults = defaults_that_decided(cfg)
+        if defaults:
+            print(f"note: {defaults}", file=sys.stderr, flush=True)
 
     def _planned_gib(self, cfg) -> float:
         """The planner's estimate for this layout, to compare with the `mem` column."""

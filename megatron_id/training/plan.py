@@ -327,13 +327,24 @@ def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
     return best, ", ".join(why) + f"; {len(fitting)} of {len(estimates)} layouts fit"
 
 
-def parse_size(text: str) -> float:
-    """'80GiB', '80GB', '80G' (binary), '81920MiB' -> bytes."""
+def parse_size(text: str, option: str = "memory size", allow_zero: bool = False) -> float:
+    """'80GiB', '80GB', '80G' (binary), '81920MiB', '1024B' -> bytes. A bare number is refused:
+    '80' is 80 GiB to the user who typed it and 80 bytes to a parser, so neither is guessed."""
     units = {"tib": 1024 ** 4, "tb": 1024 ** 4, "t": 1024 ** 4, "gib": GiB, "gb": GiB, "g": GiB,
-             "mib": 1024 ** 2, "mb": 1024 ** 2, "m": 1024 ** 2, "b": 1, "": 1}
+             "mib": 1024 ** 2, "mb": 1024 ** 2, "m": 1024 ** 2, "b": 1}
     s = text.strip().lower()
     number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(number):]
-    if unit not in units or not number:
-        raise ConfigError(f"memory size '{text}' is not understood; write e.g. 80GiB or 81920MiB.")
-    return float(number) * units[unit]
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value is not None and not unit:
+        raise ConfigError(f"{option} '{text}' has no unit: {number} what? Write {number}GiB (or {number}GB, "
+                          f"{number}MiB).")
+    if unit not in units or value is None or value != value:
+        raise ConfigError(f"{option} '{text}' is not understood; write e.g. 80GiB or 81920MiB.")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{option} '{text}' must be {'at least 0' if allow_zero else 'more than 0'} "
+                          f"(e.g. 80GiB).")
+    return value * units[unit]
