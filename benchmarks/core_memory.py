@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,10 +32,6 @@ GiB = 2 ** 30
 
 def worker(kind: str, N: int, reps: int, device_name: str, tree: str) -> dict:
     sys.path.insert(0, tree)
-    import ctypes
-    import resource
-    import threading
-
     import torch
     from megatron_id.config import load_config
     from megatron_id.model.init import initialize
@@ -50,45 +45,8 @@ def worker(kind: str, N: int, reps: int, device_name: str, tree: str) -> dict:
     initialize(layer, 0)
     layer.to(device)
     x = torch.randn(1, N, cfg.d_model, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
-    fn = lambda: layer(x).square().mean().backward()   # noqa: E731
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    class MallInfo(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo
-    heap = lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())   # noqa: E731
-    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
-
-    rss_before = rss()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        cuda_before = torch.cuda.max_memory_allocated()
-    fn()
-    sync()
-    base, peak, stop = heap(), [heap()], [False]
-
-    def sample():
-        while not stop[0]:
-            peak[0] = max(peak[0], heap())
-            time.sleep(0.0005)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    stop[0] = True
-    sampler.join()
-    if device.type == "cuda":
-        rss_peak = live_peak = torch.cuda.max_memory_allocated() - cuda_before
-    else:
-        rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
-        live_peak = peak[0] - base
-    return {"time": best, "rss": max(rss_peak, 0), "live": max(live_peak, 0)}
+    from measure import peak_and_time   # (beside this file)
+    return peak_and_time(lambda: layer(x).square().mean().backward(), reps, device)
 
 
 def run_cell(kind, N, reps, device, tree):

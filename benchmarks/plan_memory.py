@@ -1,6 +1,6 @@
 """Calibration of `megatron-id plan` (megatron_id/training/plan.py) against measured memory on CPU.
 
-    python benchmarks/plan_memory.py [--steps 3] [--layouts tp1,tp2,dp2-zero1,pp2] [--mixers interdomain,softmax]
+    python benchmarks/plan_memory.py [--steps 3] [--layouts tp1,tp2,dp2-zero1,pp2] [--mixers interdomain,softmax,hybrid]
 
 For a small model (d 256, 4 layers, 4 heads, vocabulary 50257, seq 512, fp32, micro-batch 1) it
 trains a few steps on gloo ranks (spawned processes, tests/distributed.py) at TP=1, TP=2,
@@ -37,6 +37,9 @@ LAYOUTS = {   # name: (world, TP, PP, ZeRO)
 }
 SMALL = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.vocab_size=50257",
          "model.seq_length=512", "model.state_size=64"]
+# `--mixers hybrid`: a hybrid of the small model (interdomain and softmax layers alternating;
+# at PP=2 the planner's cost balance decides the stages, and the estimate is per stage)
+MIXER_ITEMS = {"hybrid": ["model.layer_pattern=IAIA"]}
 TINY = ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.vocab_size=50257",
         "model.seq_length=16", "model.state_size=8", "model.chunk_size=8"]
 
@@ -72,7 +75,7 @@ def items_for(prefix, model, mixer, world, tp, pp, zero, steps):
     dp = world // (tp * pp)
     global_batch = 2 * dp   # micro-batch 1: gradient accumulation 2 (two micro-batches in flight at PP=2)
     seq = int([i for i in model if i.startswith("model.seq_length=")][0].split("=")[1])
-    return model + [f"model.mixer={mixer}", f"data.data_path=[{prefix}]", "data.split=100,0,0",
+    return model + MIXER_ITEMS.get(mixer, [f"model.mixer={mixer}"]) + [f"data.data_path=[{prefix}]", "data.split=100,0,0",
                     f"parallel.tensor_model_parallel_size={tp}",
                     f"parallel.pipeline_model_parallel_size={pp}", f"train.zero_stage={zero}",
                     "train.precision=fp32", "train.micro_batch_size=1",

@@ -153,6 +153,36 @@ def cmd_decode(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_attention(args) -> int:
+    """Softmax with packed documents / a window (hybrids' A and W layers): the form the mixer
+    picks on this device (FlexAttention, compiled, on CUDA; the blockwise form on the CPU)
+    against the dense-mask SDPA in float64 ... float32 on CUDA: outputs and q, k, v gradients."""
+    import torch
+    from megatron_id.ops.attention import causal_attention, masked_attention
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    N, H, D = (300, 2, 16) if args.dry_run else (4096, 12, 64)
+    dtype = torch.float64 if args.dry_run else torch.float32
+    failed = False
+    for label, documents, window in (("documents", True, None), ("window 1024", False, 1024),
+                                     ("documents + window", True, 1024)):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, H, N, D, generator=g, dtype=dtype).to(device).requires_grad_() for _ in range(3))
+        seq = (torch.arange(N, device=device) * 3 // N)[None] if documents else None
+        window = None if window is None else min(window, N // 3)
+        want = masked_attention(q, k, v, seq, window)
+        grad = torch.randn_like(want)
+        want_grads = torch.autograd.grad(want, (q, k, v), grad)
+        got = causal_attention(q, k, v, seq, window)
+        got_grads = torch.autograd.grad(got, (q, k, v), grad)
+        errors = [relative(got, want)] + [relative(a, b) for a, b in zip(got_grads, want_grads)]
+        tolerance = 1e-10 if dtype == torch.float64 else 1e-4
+        ok = max(errors) < tolerance
+        failed |= not ok
+        print(f"{label:20s} N={N} H={H} D={D} {str(dtype)[6:]}: out {errors[0]:.1e}, worst grad "
+              f"{max(errors[1:]):.1e} (tolerance {tolerance:.0e}) {'ok' if ok else 'FAIL'}", flush=True)
+    return 1 if failed else 0
+
+
 def cmd_losses(args) -> int:
     """Under torchrun: train a few steps and write rank 0's losses to --out."""
     from megatron_id.config import load_config
@@ -190,7 +220,7 @@ def cmd_compare(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="step", required=True)
-    for name in ("kernel", "decode"):
+    for name in ("kernel", "decode", "attention"):
         s = sub.add_parser(name)
         s.add_argument("--dry-run", action="store_true", help="on the CPU, small shapes")
     s = sub.add_parser("losses")
@@ -202,7 +232,8 @@ def main(argv=None) -> int:
     s.add_argument("others", nargs="+")
     s.add_argument("--rtol", type=float, default=1e-4)
     args = p.parse_args(argv)
-    return {"kernel": cmd_kernel, "decode": cmd_decode, "losses": cmd_losses, "compare": cmd_compare}[args.step](args)
+    return {"kernel": cmd_kernel, "decode": cmd_decode, "attention": cmd_attention, "losses": cmd_losses,
+            "compare": cmd_compare}[args.step](args)
 
 
 if __name__ == "__main__":

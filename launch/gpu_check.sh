@@ -16,6 +16,8 @@
 #   smoke      launch/gpu_smoke.sh at head_dim 64 and M 64 (train, resume, export, generate)
 #   layouts    2 GPUs only: TP=2 + sequence parallel, and CP=2, train the losses of TP=1 (fp32,
 #              relative 1e-4, the CPU tests' tolerance)
+#   attention  softmax with packed documents / a sliding window (hybrids' A and W layers):
+#              FlexAttention, compiled, against the dense-mask SDPA (outputs, q k v gradients)
 #   decode     eager decode against the CUDA-graph decode: equal tokens, ms per token (the
 #              1.3B config at batch 1, the paper's Appendix C measurement)
 #   benchmark  benchmarks/gpu.py's tables in the time that is left
@@ -131,6 +133,9 @@ else
     results+=("SKIP  layouts: one GPU visible (needs 2)")
     echo "SKIP  layouts: one GPU visible (needs 2)"
 fi
+
+# --- attention: softmax with documents / a window (FlexAttention on CUDA) against the dense mask
+step attention "$PYTHON" launch/gpu_check.py attention "${DRY_FLAG[@]}"
 
 # --- decode: eager against the CUDA graph
 step decode "$PYTHON" launch/gpu_check.py decode "${DRY_FLAG[@]}"

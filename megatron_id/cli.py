@@ -31,6 +31,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_params(args) -> int:
     from .model.accounting import report
+    from .model.pattern import describe_pattern, is_hybrid
     cfg = load_config(args.config, args.overrides)
     r = report(cfg.model)
     if args.json:
@@ -40,14 +41,21 @@ def cmd_params(args) -> int:
     print(f"mixer={m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} "
           f"state_size={m.state_size} query_readout={m.query_readout} "
           f"dual_kv_input={m.dual_kv_input} rope={m.rope} seq_length={m.seq_length}")
+    if is_hybrid(m) or m.layer_pattern:
+        window = f", window {m.window}" if m.window else ""
+        print(f"layers: {describe_pattern(m)}{window}")
     rows = [("parameters", f"{r.parameters:,}"),
             ("non-embedding parameters", f"{r.non_embedding_parameters:,}")]
     if r.state_per_token_per_layer is not None:
-        rows.append(("recurrent state per layer (real numbers, any context)",
+        rows.append(("recurrent state per interdomain/s4d layer (real numbers, any context)",
                      f"{r.state_per_token_per_layer:,}"))
-    else:
-        rows.append(("KV cache per layer (real numbers)",
+    if r.kv_cache_per_token_per_layer is not None:
+        rows.append(("KV cache per softmax layer (real numbers)",
                      f"{r.kv_cache_per_token_per_layer:,} x context length"))
+    if is_hybrid(m) or m.layer_pattern:
+        grows = f" + {r.decode_state_per_token:,} x context" if r.decode_state_per_token else " (any context)"
+        rows.append(("decode state, all layers (real numbers)", f"{r.fixed_state:,}{grows}"))
+        rows.append((f"  at model.seq_length={m.seq_length:,}", f"{r.decode_state(m.seq_length):,}"))
     rows += [("forward FLOPs per token", f"{r.forward_flops_per_token:,}"),
              ("training FLOPs per token (3 x forward)", f"{r.training_flops_per_token:,}")]
     width = max(len(k) for k, _ in rows)
@@ -202,9 +210,10 @@ def cmd_generate(args) -> int:
                              "or give --device cuda.")
     model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer,
                                                      args.allow_tokenizer_mismatch)
-    if args.cuda_graph and model.cfg.mixer.value == "softmax":
-        raise BadOptionError("--cuda-graph needs fixed-size states: this checkpoint's softmax mixer keeps "
-                             "a growing KV cache; drop --cuda-graph.")
+    from .generation import static_decode_refusal
+    why = static_decode_refusal(model.cfg) if args.cuda_graph else None
+    if why:
+        raise BadOptionError(f"--cuda-graph needs fixed-size states: {why}; drop --cuda-graph.")
     model.to(device)
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
@@ -222,6 +231,7 @@ def cmd_generate(args) -> int:
 def cmd_plan(args) -> int:
     """Memory and communication per GPU of every layout the engine accepts (training/plan.py)."""
     from .training.plan import GiB, parse_size, plan, rank_key, recommend
+    from .model.pattern import model_label
     from .config import ConfigError
     # every option before the config is read; `is not None`: 0 is a value given, and wrong
     for flag, value, least in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
@@ -248,7 +258,7 @@ def cmd_plan(args) -> int:
                           "layouts": [asdict(e) for e in estimates]}))
         return 0 if best else 1
     m, t = cfg.model, cfg.train
-    print(f"{m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} seq_length={m.seq_length} "
+    print(f"{model_label(m)} d_model={m.d_model} n_layers={m.n_layers} seq_length={m.seq_length} "
           f"global batch {t.global_batch_size} sequences, precision {t.precision.value}; "
           f"{args.nodes} x {args.gpus_per_node} GPUs of {gpu_memory / GiB:.0f} GiB, fits = total <= "
           f"{1 - args.margin:.0%} of that (overhead {overhead / GiB:.1f} GiB per GPU included)")

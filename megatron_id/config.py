@@ -30,6 +30,7 @@ class Mixer(str, Enum):
     interdomain = "interdomain"
     softmax = "softmax"
     s4d = "s4d"
+    hybrid = "hybrid"   # more than one kind of layer: model.layer_pattern says which (model/pattern.py)
 
 
 class Readout(str, Enum):
@@ -48,6 +49,11 @@ class CoreImpl(str, Enum):
 @dataclass
 class ModelConfig:
     mixer: Mixer = Mixer.interdomain
+    # one letter per layer, I interdomain / S S4D-only / A softmax / W sliding-window softmax, |
+    # a pipeline-stage boundary (model/pattern.py). None: model.mixer's letter on every layer.
+    # Given, it decides the mixers and model.mixer becomes the one it uses, or hybrid
+    layer_pattern: Optional[str] = None
+    window: Optional[int] = None      # tokens a W layer's query sees (itself included)
     vocab_size: int = 32000
     d_model: int = 768
     n_layers: int = 12
@@ -192,6 +198,8 @@ MIXER_DEFAULTS = {
     Mixer.interdomain: dict(query_readout=True, dual_kv_input=True, rope=True),
     Mixer.s4d: dict(query_readout=False, dual_kv_input=False, rope=False),
     Mixer.softmax: dict(query_readout=None, dual_kv_input=None, rope=True),
+    # a hybrid's switches are its interdomain layers' (the others' are fixed: model/pattern.py)
+    Mixer.hybrid: dict(query_readout=True, dual_kv_input=True, rope=True),
 }
 # switches that a mixer fixes: setting them to anything else is a contradiction
 MIXER_FIXED = {
@@ -264,9 +272,10 @@ def load_config(files=(), overrides=()) -> Config:
             print(f"warning: override {key} given twice, as {key}={seen[key]} and then {key}={value}: "
                   f"the last one, {value}, is used.", file=sys.stderr, flush=True)
         seen[key] = value
-        cfg = _merge(cfg, OmegaConf.from_dotlist([_as_list_override(item)]), f"override '{item}'")
-        given.update(_dotted_keys(OmegaConf.to_container(OmegaConf.from_dotlist([_as_list_override(item)]))))
-    out = resolve(OmegaConf.to_object(cfg))
+        parsed = _parse_override(item)
+        cfg = _merge(cfg, parsed, f"override '{item}'")
+        given.update(_dotted_keys(OmegaConf.to_container(parsed)))
+    out = resolve(OmegaConf.to_object(cfg), given=given)
     out.given_keys = frozenset(given)   # what a file or an override set (the rest: schema defaults)
     return out
 
@@ -293,6 +302,26 @@ def _dotted_keys(tree, prefix: str = "") -> set[str]:
 LIST_KEYS = ("data.data_path",)
 
 
+# keys whose values are plain text, never YAML: a layer pattern may begin with | (a YAML block scalar)
+TEXT_KEYS = ("model.layer_pattern",)
+
+
+def _parse_override(item: str) -> DictConfig:
+    """`key=value` -> the nested config it sets (the value read as YAML, as Hydra and OmegaConf do)."""
+    key, value = (part.strip() for part in item.split("=", 1))
+    if key in TEXT_KEYS and value and value.lower() not in ("null", "none", "~") and value[0] not in "\"'":
+        parsed = OmegaConf.create()
+        OmegaConf.update(parsed, key, value, force_add=True)
+        return parsed
+    try:
+        return OmegaConf.from_dotlist([_as_list_override(item)])
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"override '{item}' is not understood: {' '.join(str(err).split())}") from None
+    except Exception as err:   # the YAML reader's own errors come in several types
+        raise ConfigError(f"override '{item}': its value is not valid YAML ({' '.join(str(err).split())[:200]}); "
+                          f"quote it, e.g. {key}='\"{value}\"'.") from None
+
+
 def _as_list_override(item: str) -> str:
     """Megatron's habit `--data-path PREFIX` (or 'W1 P1 W2 P2'): a plain value for a list key
     becomes the list, split at whitespace (`data.data_path=data/x_text_document`)."""
@@ -308,9 +337,11 @@ def ffn_hidden_size(m: ModelConfig) -> int:
     return math.ceil((8 * m.d_model / 3) / m.ffn_multiple_of) * m.ffn_multiple_of
 
 
-def resolve(cfg: Config) -> Config:
-    """Fill mixer-dependent defaults and check the values that types alone cannot."""
+def resolve(cfg: Config, given=None) -> Config:
+    """Fill mixer-dependent defaults and check the values that types alone cannot. `given`:
+    the keys a file or override set (load_config), to tell a chosen model.mixer from the default."""
     m = cfg.model
+    _resolve_pattern(m, given)
     for key, fixed in MIXER_FIXED.get(m.mixer, {}).items():
         value = getattr(m, key)
         if value is not None and value != fixed:
@@ -336,7 +367,8 @@ def resolve(cfg: Config) -> Config:
         ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by >= 0,
          "must be >= 0 (0 turns vocabulary padding off)"),
     ]
-    if (m.d_model // max(m.n_heads, 1)) % 2 and m.rope:
+    if (m.d_model // max(m.n_heads, 1)) % 2 and (m.rope or m.mixer == Mixer.hybrid and
+                                                  set(m.layer_pattern) & set("AW")):
         checks.append(("n_heads", False, "must leave an even head width for RoPE"))
     for key, ok, why in checks:
         if not ok:
@@ -347,6 +379,48 @@ def resolve(cfg: Config) -> Config:
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} is invalid: it must be at least 1.")
     return cfg
+
+
+PATTERN_LETTERS = {"I": Mixer.interdomain, "S": Mixer.s4d, "A": Mixer.softmax, "W": Mixer.softmax}
+
+
+def _resolve_pattern(m: ModelConfig, given) -> None:
+    """Check model.layer_pattern and model.window, and set model.mixer from the pattern: the one
+    mixer it uses, or hybrid (model/pattern.py has the letters)."""
+    example = "e.g. model.layer_pattern=IIIAIIIAIIIA (I interdomain, S s4d, A softmax, W sliding-window softmax)"
+    if m.layer_pattern is None:
+        if m.mixer == Mixer.hybrid:
+            raise ConfigError(f"model.mixer=hybrid needs model.layer_pattern, one letter per layer: {example}.")
+        if m.window is not None:
+            raise ConfigError(f"model.window={m.window} is the window of W (sliding-window softmax) layers, and "
+                              f"this model has none: set model.layer_pattern with W layers (e.g. "
+                              f"model.layer_pattern={'W' * m.n_layers}) or remove model.window.")
+        return
+    pattern = m.layer_pattern.strip().upper().replace(" ", "")
+    where = f"model.layer_pattern={m.layer_pattern!r}"
+    wrong = sorted(set(pattern) - set(PATTERN_LETTERS) - {"|"})
+    if wrong:
+        raise ConfigError(f"{where} has {', '.join(repr(c) for c in wrong)}: the letters are I (interdomain), "
+                          f"S (S4D-only), A (softmax), W (sliding-window softmax) and | (a pipeline-stage boundary).")
+    if not pattern.replace("|", "") or any(not part for part in pattern.split("|")):
+        raise ConfigError(f"{where}: every pipeline stage needs at least one layer (no empty pattern, no "
+                          f"leading, trailing or doubled |); {example}.")
+    letters = pattern.replace("|", "")
+    if len(letters) != m.n_layers:
+        raise ConfigError(f"{where} has {len(letters)} layers but model.n_layers={m.n_layers}: set "
+                          f"model.n_layers={len(letters)} or give {m.n_layers} letters.")
+    kinds = {PATTERN_LETTERS[c] for c in letters}
+    mixer = kinds.pop() if len(kinds) == 1 else Mixer.hybrid
+    if given is not None and "model.mixer" in given and m.mixer != mixer:
+        raise ConfigError(f"model.mixer={m.mixer.value} contradicts {where}, whose layers make it "
+                          f"{mixer.value}: remove model.mixer (the pattern decides the mixers) or the pattern.")
+    m.layer_pattern, m.mixer = pattern, mixer
+    if "W" in letters and (m.window is None or m.window < 1):
+        raise ConfigError(f"{where} has W (sliding-window softmax) layers but model.window={m.window}: set "
+                          f"model.window to the tokens each query sees (itself included), e.g. model.window=1024.")
+    if "W" not in letters and m.window is not None:
+        raise ConfigError(f"model.window={m.window} is the window of W layers, and {where} has none: remove "
+                          f"model.window or use W in the pattern.")
 
 
 def _check_ranges(cfg: Config) -> None:

@@ -105,13 +105,14 @@ class StaticDecodeStep:
     1.3B at batch 1 in 12.5 ms this way instead of 30). Without `graph` the same step runs
     eagerly (how the CPU tests check it against the dynamic decode).
 
-    Only fixed-size states can be static: interdomain and S4D-only models (a softmax model's
-    KV cache grows with every token)."""
+    Only fixed-size states can be static: models of interdomain and S4D-only layers (a softmax
+    layer's KV cache grows with every token: static_decode_refusal)."""
 
     def __init__(self, model: LanguageModel, states: list, position: int, graph: bool = False):
-        if model.cfg.mixer.value == "softmax":
-            raise BadOptionError("a static (CUDA graph) decode step needs fixed-size states: the softmax "
-                                 "mixer's KV cache grows with every token; decode it without --cuda-graph.")
+        why = static_decode_refusal(model.cfg)
+        if why:
+            raise BadOptionError(f"a static (CUDA graph) decode step needs fixed-size states: {why}; "
+                                 f"decode it without --cuda-graph.")
         if graph and not next(model.parameters()).is_cuda:
             raise BadOptionError("--cuda-graph needs the model on a CUDA device (--device cuda).")
         self.model, self.graph = model, None
@@ -152,6 +153,18 @@ class StaticDecodeStep:
         else:
             self._step()
         return self.logits
+
+
+def static_decode_refusal(cfg) -> str | None:
+    """Why a model's decode state cannot live in fixed buffers (None: it can): softmax layers'
+    KV caches grow with every token (A), or until they hold their window (W)."""
+    from .model.pattern import layer_letters
+    letters = layer_letters(cfg)
+    if "A" in letters:
+        return "its softmax layers' KV cache grows with every token"
+    if "W" in letters:
+        return "its sliding-window layers' KV cache grows until it holds the window"
+    return None
 
 
 def _static_copy(state):

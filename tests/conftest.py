@@ -23,6 +23,20 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return num if denom == 0 else num / denom
 
 
+def copy_without_reshardable_optimizer(checkpoint: Path, tag: str, folder: Path) -> Path:
+    """A copy of `checkpoint` as a run without train.reshardable_optimizer writes it: its
+    iter folder `tag` without optim/ and without optim/'s entries in the manifest."""
+    import json
+    import shutil
+    shutil.copytree(checkpoint, folder)
+    shutil.rmtree(folder / tag / "optim")
+    manifest = folder / tag / "manifest.json"
+    entries = json.loads(manifest.read_text())
+    entries["files"] = {k: v for k, v in entries["files"].items() if not k.startswith("optim/")}
+    manifest.write_text(json.dumps(entries))
+    return folder
+
+
 @pytest.fixture
 def tiny_config():
     from megatron_id.config import load_config

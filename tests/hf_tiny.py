@@ -15,7 +15,9 @@ from megatron_id.hf.export import export_hf, write_folder
 from megatron_id.model.language_model import LanguageModel
 
 TOKENIZER = ROOT / "tests/data/gpt2-tokenizer.json"
-MIXER_ITEMS = {"interdomain": [], "softmax": ["model.mixer=softmax"], "s4d": ["model.mixer=s4d"]}
+MIXER_ITEMS = {"interdomain": [], "softmax": ["model.mixer=softmax"], "s4d": ["model.mixer=s4d"],
+               # a hybrid with every kind of layer; a window shorter than the prompts
+               "hybrid": ["model.layer_pattern=IWAS", "model.n_layers=4", "model.window=3"]}
 
 
 def tiny_export(folder: Path, mixer: str = "interdomain", items=(), seed: int = 3) -> Path:

@@ -103,13 +103,15 @@ def test_compiled_training_matches_eager_and_checkpoints_load_either_way(fineweb
     assert _close(loss, eager[SAVE_AT][0], LOSS_RTOL) and _close(norm, eager[SAVE_AT][1], NORM_RTOL)
 
 
-@pytest.mark.parametrize("mixer", ["interdomain", "s4d", "softmax"])
+@pytest.mark.parametrize("mixer", ["interdomain", "s4d", "softmax", "model.layer_pattern=IAS"])
 def test_training_forward_compiles_as_one_graph(mixer):
     """No graph break in the training forward of the trainer's (tensor-parallel) model: a break
-    splits the compiled graph, runs the code between in eager Python and stops fusion across it."""
+    splits the compiled graph, runs the code between in eager Python and stops fusion across it.
+    (A hybrid too. A W layer on the CPU is an eager island: ops/attention.blockwise_attention.)"""
     import torch._dynamo
     from megatron_id.parallel.tensor_parallel import parallel_model
-    cfg = load_config([TINY], [f"model.mixer={mixer}"])
+    items = [mixer, "model.n_layers=3"] if "=" in mixer else [f"model.mixer={mixer}"]
+    cfg = load_config([TINY], items)
     model = parallel_model(cfg.model, None, seed=0).train()   # group None: one rank
     torch._dynamo.reset()
     try:

@@ -161,15 +161,17 @@ SMOKE_STEPS = ["preprocess", "train", "train-checkpoint", "resume", "resume-cont
 def test_gpu_check_dry_run_passes_every_step(compile_env, gpu_check_dry_run):
     """launch/gpu_check.sh --dry-run: every step on the CPU (the kernel against the float64 form
     under the interpreter, gpu_smoke.sh in CPU mode with all its own steps and the check's
-    model items (SMOKE_OVERRIDES), TP=2 + SP and CP=2 on two gloo processes against TP=1, the static decode step against
+    model items (SMOKE_OVERRIDES), TP=2 + SP and CP=2 on two gloo processes against TP=1, the attention forms against the dense
+    mask, the static decode step against
     the eager one, benchmarks/gpu.py --quick: its tables are tests/test_gpu_benchmark.py's);
     then it refuses to write into a used folder."""
     done, out = gpu_check_dry_run
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
-    for name in ("resources", "kernel", "smoke", "layouts", "decode", "benchmark"):
+    for name in ("resources", "kernel", "smoke", "layouts", "attention", "decode", "benchmark"):
         assert f"PASS  {name} (" in done.stdout, (name, done.stdout[-4000:])
     assert done.stdout.strip().splitlines()[-1] == "gpu_check: PASS"
     assert "worst relative difference" in done.stdout and "bitwise" in done.stdout and "tokens equal" in done.stdout
+    assert "documents + window" in done.stdout   # the attention step's figures
     smoke = (out / "smoke.log").read_text()
     for name in SMOKE_STEPS:   # gpu_smoke.sh's own steps (tests/test_gpu_smoke_script.py checks its refusals)
         assert f"PASS  {name} (" in smoke, (name, smoke[-3000:])

@@ -11,7 +11,9 @@ from distributed import run_distributed
 from megatron_id.config import load_config
 
 TOKENIZER = ROOT / "tests/data/gpt2-tokenizer.json"
-MIXERS = {"interdomain": [], "softmax": ["model.mixer=softmax"], "s4d": ["model.mixer=s4d"]}
+MIXERS = {"interdomain": [], "softmax": ["model.mixer=softmax"], "s4d": ["model.mixer=s4d"],
+          # a hybrid whose pipeline stage boundary (at PP=2) falls inside the pattern
+          "hybrid": ["model.layer_pattern=IW|AI", "model.n_layers=4", "model.window=5"]}
 
 
 def train_items(prefix, tp, pp, mixer):
@@ -204,10 +206,11 @@ def test_the_export_loads_without_megatron_id(checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-def test_megatron_id_generate_streams_what_hf_generate_produces(checkpoints, tmp_path):
+@pytest.mark.parametrize("mixer", ["interdomain", "hybrid"])
+def test_megatron_id_generate_streams_what_hf_generate_produces(checkpoints, tmp_path, mixer):
     from megatron_id.cli import main
     from megatron_id.hf.export import export_hf
-    checkpoint = checkpoints["interdomain", (2, 2)][0]
+    checkpoint = checkpoints[mixer, (2, 2)][0]
     folder = export_hf(checkpoint, tmp_path / "hf")
     model, tokenizer = load_exported(folder)
     prompt = "Rivers carry"

@@ -21,7 +21,7 @@ import torch
 from conftest import ROOT
 from hf_tiny import tiny_export
 
-MIXERS = ["interdomain", "softmax", "s4d"]
+MIXERS = ["interdomain", "softmax", "s4d", "hybrid"]
 PROMPTS = [[464, 1660, 6954, 8477, 703, 262, 1917], [31319, 3283], [40, 588, 257, 1492]]
 
 

@@ -4,7 +4,6 @@ continue at (1, 1, 2, 2), (2, 1, 1, 0) and (1, 2, 2, 1) WITH the optimizer state
 losses equal those of the uninterrupted run at the saving layout within 1e-5 relative. Loading
 only the weights (Adam afresh) misses by ~1e-2, so the comparison sees a lost optimizer state."""
 import json
-import shutil
 
 import pytest
 import torch
@@ -60,14 +59,9 @@ def test_optimizer_state_reshards_to_other_layouts(fineweb_prefix, tmp_path):
     import subprocess
     import sys
     from safetensors.torch import load_file
-    from conftest import ROOT
-    plain = tmp_path / "plain"   # the checkpoint as a run without train.reshardable_optimizer writes it
-    shutil.copytree(ckpt, plain)
-    shutil.rmtree(plain / f"iter_{BEFORE:07d}" / "optim")
-    manifest = plain / f"iter_{BEFORE:07d}" / "manifest.json"
-    entries = json.loads(manifest.read_text())
-    entries["files"] = {k: v for k, v in entries["files"].items() if not k.startswith("optim/")}
-    manifest.write_text(json.dumps(entries))
+    from conftest import ROOT, copy_without_reshardable_optimizer
+    # the checkpoint as a run without train.reshardable_optimizer writes it
+    plain = copy_without_reshardable_optimizer(ckpt, f"iter_{BEFORE:07d}", tmp_path / "plain")
     converted = tmp_path / "converted"
     # a target layout that cannot split the model (4 heads) is refused before anything is written
     bad = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(plain),

@@ -5,7 +5,7 @@
     python launch/scaling/grid.py --dry-run --json          # the same as JSON
     python launch/scaling/grid.py --only '^125m' --chain 3 --set data.data_path=/data/fw_text_document
 
-Each cell (`125m-interdomain`, `1p3b-softmax`, `125m-cube-no-rope`, ...) becomes one
+Each cell (`125m-interdomain`, `1p3b-softmax`, `125m-cube-no-rope`, `125m-hybrid`, ...) becomes one
 `sbatch ... launch/slurm/train.sbatch --config configs/model/<scale>.yaml key=value ...` job.
 Every number shown comes from the package itself, not from a second copy of its rules:
 parameters from the model built on the meta device (as `megatron-id params`), steps from the
@@ -47,6 +47,7 @@ PROG = "grid.py"
 # set per cell, so never by --set or grid.yaml's overrides (the planner's estimate would no
 # longer describe the job, or a cell would no longer be the one its name says)
 PER_CELL_KEYS = {"model.mixer", "model.query_readout", "model.dual_kv_input", "model.rope",
+                 "model.layer_pattern", "model.window",
                  "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                  "train.zero_stage", "train.micro_batch_size", "train.activation_checkpointing"}
 
@@ -146,6 +147,18 @@ def expand(grid: dict, nodes_override: dict, gpus_per_node: int | None,
         if mixer is None:
             raise GridError(f"{GRID.name}: cube cell '{entry['name']}' must set model.mixer.")
         cells.append(scale_cell(cube["scale"], alias, mixer, entry["name"], switches, entry.get("paper_ppl")))
+    for entry in grid.get("hybrids") or []:   # not the paper's: hybrids of its shapes (model/pattern.py)
+        scale = entry.get("scale")
+        if scale not in grid["scales"]:
+            raise GridError(f"{GRID.name}: hybrid cell '{entry.get('name')}' has scale {scale!r}, which is "
+                            f"not one of the scales ({', '.join(grid['scales'])}).")
+        switches = list(entry.get("overrides") or [])
+        if not any(o.startswith("model.layer_pattern=") for o in switches) and not entry.get("config"):
+            raise GridError(f"{GRID.name}: hybrid cell '{entry.get('name')}' must set model.layer_pattern "
+                            f"(in its overrides) or a config that has one.")
+        cell = scale_cell(scale, f"{scale}-{entry['name']}", "hybrid", None, switches, None)
+        cell.config = entry.get("config") or cell.config
+        cells.append(cell)
     return cells, aliases
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]
 # dependency order: each file only uses names defined above it
 MODULES = ["ops/segments.py", "ops/interdomain/ssm.py", "ops/interdomain/naive.py", "ops/interdomain/recurrent.py",
-           "ops/interdomain/chunked.py", "ops/interdomain/__init__.py", "model/roles.py", "model/layers.py",
-           "model/init.py", "model/mixers/interdomain.py", "model/mixers/softmax.py",
-           "model/mixers/__init__.py", "model/language_model.py"]
+           "ops/interdomain/chunked.py", "ops/interdomain/__init__.py", "ops/attention.py", "model/roles.py",
+           "model/layers.py", "model/init.py", "model/mixers/interdomain.py", "model/mixers/softmax.py",
+           "model/mixers/__init__.py", "model/pattern.py", "model/language_model.py"]
 RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import (\([^)]*\)|.*)$", re.M)
 
 

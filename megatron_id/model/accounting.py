@@ -6,7 +6,9 @@ count multiply-adds as 2 FLOPs, per token, for the forward pass, and training = 
 - matmuls: 2 x every weight a token passes through (all blocks + lm_head; the embedding is a
   lookup); short convs 2 K d each; norms and elementwise work are not counted.
 - softmax core: 4 L d per layer for a context of L = seq_length (QK^T and AV over the full
-  context, no causal discount: the PaLM/Megatron MFU convention).
+  context, no causal discount: the PaLM/Megatron MFU convention); a sliding-window layer's L
+  is min(seq_length, model.window).
+- hybrids (model.layer_pattern): each layer counted as its own mixer.
 - interdomain / s4d core: the multiply-adds the chunked form executes (chunk T = chunk_size,
   including the masked upper triangles of its T x T blocks); complex x real counts 2 real
   multiply-adds, complex x complex 4.
@@ -17,19 +19,30 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, ffn_hidden_size
 from .language_model import LanguageModel
 from .layers import Linear, ShortConv
+from .pattern import layer_config, layer_letters, layer_mixer, layer_window
 
 
 @dataclass
 class ModelReport:
     parameters: int
     non_embedding_parameters: int
-    state_per_token_per_layer: int | None   # fixed-size state (real numbers); None for softmax
-    kv_cache_per_token_per_layer: int | None  # softmax: real numbers per token of context
+    state_per_token_per_layer: int | None   # an interdomain / S4D layer's fixed state (real numbers); None without one
+    kv_cache_per_token_per_layer: int | None  # a softmax layer's KV cache per token of context; None without one
     forward_flops_per_token: int
     training_flops_per_token: int
+    # the whole model's decode state (real numbers, short-conv tails aside): fixed_state, plus
+    # decode_state_per_token for each token of context (the KV caches of A layers; W layers'
+    # caches count as fixed, at their full window)
+    fixed_state: int = 0
+    decode_state_per_token: int = 0
+    layer_pattern: str = ""                   # one letter per layer (model/pattern.py)
+
+    def decode_state(self, context: int) -> int:
+        """Real numbers the model holds to continue after `context` tokens."""
+        return self.fixed_state + self.decode_state_per_token * context
 
 
 def build_on_meta(cfg: ModelConfig) -> LanguageModel:
@@ -55,18 +68,29 @@ def interdomain_core_macs_per_token_per_head(cfg: ModelConfig) -> int:
     return macs
 
 
-def mixer_forward_flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
-    """Forward FLOPs per token of one mixer layer (projections, convs, core), same conventions.
-    `context` is the softmax context length (default seq_length)."""
+def mixer_forward_flops_per_token(cfg: ModelConfig, context: int | None = None, layer: int = 0) -> int:
+    """Forward FLOPs per token of mixer layer `layer` (projections, convs, core), same
+    conventions. `context` is the softmax context length (default seq_length; a W layer's
+    is at most its window)."""
     from .mixers import build_mixer
+    kind, layer_cfg = layer_mixer(cfg, layer), layer_config(cfg, layer)
     with torch.device("meta"):
-        mixer = build_mixer(cfg, residual_std=cfg.init_std)
+        mixer = build_mixer(layer_cfg, residual_std=cfg.init_std, kind=kind)
     macs = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, (Linear, ShortConv)))
-    if cfg.mixer.value == "softmax":
-        macs += 2 * (context or cfg.seq_length) * cfg.d_model
+    if kind == "softmax":
+        seen = context or cfg.seq_length
+        window = layer_window(cfg, layer)
+        macs += 2 * (seen if window is None else min(seen, window)) * cfg.d_model
     else:
-        macs += cfg.n_heads * interdomain_core_macs_per_token_per_head(cfg)
+        macs += cfg.n_heads * interdomain_core_macs_per_token_per_head(layer_cfg)
     return 2 * macs
+
+
+def layer_flops_per_token(cfg: ModelConfig) -> list[int]:
+    """Forward FLOPs per token of each block (its mixer and its SwiGLU): what the pipeline
+    balances its stages by (parallel/layout.stage_layers)."""
+    ffn = 2 * 3 * cfg.d_model * ffn_hidden_size(cfg)
+    return [mixer_forward_flops_per_token(cfg, layer=i) + ffn for i in range(cfg.n_layers)]
 
 
 def report(cfg: ModelConfig) -> ModelReport:
@@ -76,9 +100,17 @@ def report(cfg: ModelConfig) -> ModelReport:
     d, H = cfg.d_model, cfg.n_heads
     ffn_and_head = sum(m.weight.numel() for name, m in model.named_modules()
                        if isinstance(m, Linear) and ".mixer." not in f".{name}.")
-    flops = 2 * ffn_and_head + cfg.n_layers * mixer_forward_flops_per_token(cfg)
-    if cfg.mixer.value == "softmax":
-        state, kv = None, 2 * d
-    else:
-        state, kv = H * 2 * (2 * (d // H)) * cfg.state_size, None
-    return ModelReport(n_params, n_params - n_embed, state, kv, flops, 3 * flops)
+    letters = layer_letters(cfg)
+    per_kind = {}   # each kind of layer costs the same wherever it is
+    for i, letter in enumerate(letters):
+        if letter not in per_kind:
+            per_kind[letter] = mixer_forward_flops_per_token(cfg, layer=i)
+    flops = 2 * ffn_and_head + sum(per_kind[c] for c in letters)
+    state = H * 2 * (2 * (d // H)) * cfg.state_size if set(letters) & set("IS") else None
+    kv = 2 * d if set(letters) & set("AW") else None
+    fixed = letters.count("I") * (state or 0) + letters.count("S") * (state or 0)
+    if "W" in letters:
+        fixed += letters.count("W") * 2 * d * cfg.window
+    return ModelReport(n_params, n_params - n_embed, state, kv, flops, 3 * flops,
+                       fixed_state=fixed, decode_state_per_token=letters.count("A") * 2 * d,
+                       layer_pattern=letters)

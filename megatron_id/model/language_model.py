@@ -1,4 +1,5 @@
-"""The Llama-style decoder shared by every mixer (plain single-device code).
+"""The Llama-style decoder shared by every mixer (plain single-device code). Each block's mixer
+is the one model.layer_pattern gives its layer (model/pattern.py: hybrids), model.mixer's by default.
 
     h = embed(tokens)
     for each block:  h = h + mixer(RMSNorm(h));  h = h + SwiGLU(RMSNorm(h))
@@ -20,6 +21,7 @@ from ..config import ModelConfig, ffn_hidden_size
 from .init import initialize
 from .layers import Embedding, Linear, RMSNorm
 from .mixers import build_mixer
+from .pattern import layer_config, layer_mixer
 from .roles import COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, VOCAB_ROWS, check_declarations
 
 
@@ -39,10 +41,11 @@ class Block(nn.Module):
     # the mixer and the SwiGLU declare their own parameters
     PARAMETER_ROLES = {"mixer_norm": REPLICATED, "ffn_norm": REPLICATED}
 
-    def __init__(self, cfg: ModelConfig, residual_std: float, form: str):
+    def __init__(self, cfg: ModelConfig, residual_std: float, form: str, index: int = 0):
+        """index: the layer's place in the model, which picks its mixer (model/pattern.py)."""
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = build_mixer(cfg, residual_std, form=form)
+        self.mixer = build_mixer(layer_config(cfg, index), residual_std, form=form, kind=layer_mixer(cfg, index))
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, ffn_hidden_size(cfg), cfg.init_std, residual_std)
 
@@ -69,7 +72,7 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, cfg.init_std)
-        self.layers = nn.ModuleList(Block(cfg, residual_std, form) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, residual_std, form, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, cfg.init_std)
         if cfg.tie_embeddings:   # one [vocab, d] matrix, initialised as the embedding

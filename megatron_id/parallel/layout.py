@@ -3,7 +3,8 @@ stage z? Every problem is a LayoutError (a ConfigError: one line with the values
 raised before any process group or model exists.
 
     check_sizes        world size = TP x PP x DP                    (process groups, state.py)
-    check_model_split  heads, SwiGLU and vocabulary over TP; layers over PP
+    check_model_split  heads, SwiGLU and vocabulary over TP; layers over PP (stage_layers:
+                       which blocks each stage holds, hybrids balanced by cost)
                                                                      (parallelize, checkpoints,
                                                                       import-hf, convert-checkpoint)
     check_zero         ZeRO stage against pipelining
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 
 from ..config import ConfigError, ModelConfig, ffn_hidden_size
+from ..model.pattern import is_hybrid, stage_layer_counts
 
 
 class LayoutError(ConfigError):
@@ -58,12 +60,83 @@ def check_model_split(cfg: ModelConfig, tensor: int, pipe: int = 1) -> None:
         problems.append(f"model.vocab_size={cfg.vocab_size} is not divisible by tensor parallel size "
                         f"{tensor} and vocabulary padding is off (model.make_vocab_size_divisible_by=0); "
                         f"set model.make_vocab_size_divisible_by=128 (Megatron's default) to pad")
-    if cfg.n_layers % pipe:
-        problems.append(f"model.n_layers={cfg.n_layers} cannot be divided into "
-                        f"parallel.pipeline_model_parallel_size={pipe} equal stages; use a number "
-                        f"of stages that divides {cfg.n_layers}")
+    problems += _stage_problems(cfg, pipe)
     if problems:
         raise LayoutError("; ".join(problems) + ".")
+
+
+def _stage_problems(cfg: ModelConfig, pipe: int) -> list[str]:
+    """How the layers divide into `pipe` stages (stage_layers): the pattern's | marks when it
+    has them, by cost for a hybrid, equally for a uniform model (as Megatron)."""
+    if pipe == 1:
+        return []
+    marks = stage_layer_counts(cfg)
+    if marks is not None:
+        if len(marks) != pipe:
+            return [f"model.layer_pattern={cfg.layer_pattern} marks {len(marks)} pipeline stages with | but "
+                    f"parallel.pipeline_model_parallel_size={pipe}: use {len(marks)} stages, or move the "
+                    f"| marks (or remove them to balance the stages by cost)"]
+        return []
+    if is_hybrid(cfg):
+        if cfg.n_layers < pipe:
+            return [f"model.n_layers={cfg.n_layers} cannot fill parallel.pipeline_model_parallel_size={pipe} "
+                    f"stages (each needs a layer); use at most {cfg.n_layers} stages"]
+        return []
+    if cfg.n_layers % pipe:
+        return [f"model.n_layers={cfg.n_layers} cannot be divided into "
+                f"parallel.pipeline_model_parallel_size={pipe} equal stages; use a number "
+                f"of stages that divides {cfg.n_layers}"]
+    return []
+
+
+def stage_layers(cfg: ModelConfig, pipe: int) -> list[range]:
+    """The blocks of each pipeline stage. The pattern's | marks when it has them; for another
+    hybrid, contiguous stages whose largest cost (forward FLOPs per token of their blocks,
+    model/accounting.layer_flops_per_token: a softmax layer at a long context costs more than
+    an interdomain one) is the smallest possible; for a uniform model, equal counts (what
+    DeepSpeed's partition by layer type gave before hybrids existed)."""
+    n = cfg.n_layers
+    if pipe == 1:
+        return [range(n)]
+    marks = stage_layer_counts(cfg)
+    if marks is not None and len(marks) == pipe:
+        counts = marks
+    elif is_hybrid(cfg):
+        from ..model.accounting import layer_flops_per_token
+        counts = balanced_counts(layer_flops_per_token(cfg), pipe)
+    else:
+        counts = [n // pipe] * pipe
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def balanced_counts(costs: list[float], parts: int) -> list[int]:
+    """Split `costs` into `parts` contiguous non-empty runs minimising the largest run's sum
+    (ties: the later stages take fewer layers, as the last stage also runs the LM head and loss);
+    returns the runs' lengths. Dynamic programming over (layers, stages): n^2 x parts."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    INF = float("inf")
+    # best[k][i]: the smallest largest sum splitting costs[:i] into k runs; cut[k][i]: the last run's start
+    best = [[INF] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(i - 1, k - 2, -1):   # the last run is costs[j:i]; later j first
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    counts, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
 
 
 def check_zero(zero_stage: int, pipe: int) -> None:

@@ -9,8 +9,9 @@ tensor-parallelised there; its pieces become the pipeline's layer list
 TiedLayerSpec)
 
 and DeepSpeed builds (materialises and initialises) only the pieces of this rank's stage, so a
-stage never holds the whole model. Blocks are balanced across stages (the embedding joins the
-first stage, the final norm and LM head the last, as in Megatron). Each piece is initialised
+stage never holds the whole model. The blocks of each stage are parallel/layout.stage_layers'
+(equal counts for a uniform model; a hybrid's | marks or cost balance); the embedding joins the
+first stage, the final norm and LM head the last, as in Megatron. Each piece is initialised
 with its name inside the whole model, so PP=2 starts from exactly the weights of PP=1.
 
 Names: pipeline checkpoints store one file per piece (`layer_XX-model_YY-model_states.pt`);
@@ -29,6 +30,7 @@ from ..model import LanguageModel
 from ..training.documents import masked_mean
 from .fused_cross_entropy import lm_head_loss
 from .layers import vocab_parallel_cross_entropy
+from .layout import stage_layers
 from .tensor_parallel import materialise, parallelize
 
 class EmbeddingStage(nn.Module):
@@ -141,6 +143,31 @@ def pipeline_state_dict(full: dict, module, n_layers: int, tied: bool) -> dict:
     return out
 
 
+def _staged_pipeline_class():
+    from deepspeed.pipe import PipelineModule
+
+    class StagedPipelineModule(PipelineModule):
+        """DeepSpeed's PipelineModule with the stage bounds given (parallel/layout.stage_layers:
+        the pattern's | marks, a hybrid's cost balance) instead of one of its own methods."""
+
+        def __init__(self, bounds, *args, **kwargs):
+            self._given_bounds = list(bounds)   # read by _partition_layers during __init__
+            super().__init__(*args, partition_method="given", **kwargs)
+
+        def _partition_layers(self, method="given"):
+            if len(self._given_bounds) != self.num_stages + 1:
+                raise ValueError(f"{len(self._given_bounds) - 1} stage bounds for {self.num_stages} stages")
+            self.parts = self._given_bounds
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+    return StagedPipelineModule
+
+
+def staged_pipeline_module(bounds, *args, **kwargs):
+    """A PipelineModule whose stage s holds pieces bounds[s] .. bounds[s+1] - 1."""
+    return _staged_pipeline_class()(bounds, *args, **kwargs)
+
+
 def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, loss_vocab: int,
                    sequence_parallel: bool = False, activation_checkpointing: bool = False,
                    device="cpu", documents=None, fused_loss: bool = False):
@@ -150,7 +177,7 @@ def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, lo
     when packed-document switches are on (the batches then carry the document tensors).
     fused_loss: the last stage ends with the final hidden states and the loss applies the LM
     head chunk by chunk (parallel/fused_cross_entropy.py; train.fused_lm_head_loss)."""
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     with torch.device("meta"):
         meta = LanguageModel(cfg, seed=None)
@@ -174,8 +201,11 @@ def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, lo
             return masked_mean(vocab_parallel_cross_entropy(logits, labels, tp_group, loss_vocab), mask)
         return vocab_parallel_cross_entropy(logits, labels, tp_group, loss_vocab).mean()
 
-    module = PipelineModule(
-        specs, topology=topology, loss_fn=loss_fn, partition_method="type:BlockStage",
+    # pieces per stage: the embedding joins the first stage, the final norm and head the last
+    blocks = stage_layers(cfg, topology.get_dim("pipe"))
+    bounds = [0] + [1 + r.stop for r in blocks[:-1]] + [len(specs)]
+    module = staged_pipeline_module(
+        bounds, specs, topology=topology, loss_fn=loss_fn,
         activation_checkpoint_interval=1 if activation_checkpointing else 0,
         activation_checkpoint_func=functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
         checkpointable_layers=["BlockStage"])

@@ -115,10 +115,20 @@ def check_resume_tokenizer(folder: Path, run: RunTokenizer, allow: bool) -> None
 RESUME_FREE_KEYS = frozenset({"core_impl", "chunk_size"})
 
 
+def _layers_spelled_out(model: dict) -> dict:
+    """The model config with layer_pattern as one letter per layer: an unset pattern and its
+    uniform spelling are one model, and the | marks (pipeline stages) may change on a resume."""
+    from types import SimpleNamespace
+    from ..model.pattern import layer_letters
+    if "mixer" not in model or "n_layers" not in model:
+        return model
+    return {**model, "layer_pattern": layer_letters(SimpleNamespace(**model))}
+
+
 def check_resume_model(folder: Path, cfg: Config) -> None:
     """Refuse a resume whose model config differs from the checkpoint's, naming every key."""
     client = read_client_state(folder)
-    saved, current = client.model, model_config_dict(cfg.model)
+    saved, current = _layers_spelled_out(client.model), _layers_spelled_out(model_config_dict(cfg.model))
     differing = sorted(k for k in set(saved) | set(current)
                        if k not in RESUME_FREE_KEYS and k in saved and saved.get(k) != current.get(k))
     if not differing:

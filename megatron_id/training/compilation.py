@@ -35,7 +35,8 @@ import sys
 
 import torch.distributed as dist
 
-from ..config import Config, ConfigError, Mixer
+from ..config import Config, ConfigError
+from ..model.pattern import layer_letters
 from ..errors import UserError
 
 
@@ -50,7 +51,7 @@ def check_compile_config(cfg: Config) -> None:
             "train.compile=true with parallel.context_parallel_size > 1 is not supported yet: the "
             "blocks exchange states through collectives inside autograd functions, which have not "
             "been compiled and tested. Set train.compile=false or parallel.context_parallel_size=1.")
-    if not cfg.train.compile or cfg.model.mixer == Mixer.softmax:   # softmax has no SSM core
+    if not cfg.train.compile or not set(layer_letters(cfg.model)) & set("IS"):   # softmax has no SSM core
         return
     from ..ops.interdomain.chunked import RECOMPUTE_FROM_TOKENS
     impl, n = cfg.model.core_impl.value, cfg.model.seq_length
@@ -60,7 +61,7 @@ def check_compile_config(cfg: Config) -> None:
                f"tokens per sequence)")
         raise ConfigError(
             f"train.compile=true cannot be combined with {why}: torch.compile cannot trace the "
-            f"recomputing backward of the {cfg.model.mixer.value} core (ops/segments.py) and inductor "
+            f"recomputing backward of the interdomain / S4D core (ops/segments.py) and inductor "
             f"fails on the graphs it makes of it instead. Set model.core_impl=autograd (every "
             f"intra-chunk tensor kept: more activation memory at long context), or train.compile=false.")
 

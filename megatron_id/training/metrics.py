@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..model.accounting import report
+from ..model.pattern import model_label
 
 
 def perplexity(loss: float) -> float:
@@ -70,7 +71,7 @@ class Metrics:
         if not self.is_logger:
             return
         m, lay, r = cfg.model, self.layout, self.report
-        print(f"training {m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} ({r.parameters:,} parameters) | "
+        print(f"training {model_label(m)} d_model={m.d_model} n_layers={m.n_layers} ({r.parameters:,} parameters) | "
               f"TP={lay.tensor} PP={lay.pipe} DP={lay.data} ZeRO-{cfg.train.zero_stage} | global batch "
               f"{lay.global_batch_size} x {m.seq_length} tokens = micro-batch {lay.micro_batch_size} x "
               f"{lay.gradient_accumulation} accumulation x {lay.data} DP | steps {start_step + 1}-{lay.train_iters} | "

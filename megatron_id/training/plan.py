@@ -19,7 +19,8 @@ replicated; vocabulary padded as parallel/tensor_parallel.py pads it):
                   softmax:           b N (c_d d + c_f f)
                   interdomain / s4d: b N (c_d d + c_f f + c_hm H M + c_chunk d M / T)
                                      + c_mm H M^2 + c_tm H T M   (tables of C and the decays)
-               with d width, f FFN width, H heads, M modes, T chunk. Under TP everything but the
+               with d width, f FFN width, H heads, M modes, T chunk; a hybrid's blocks each by
+               their own mixer (model.layer_pattern). Under TP everything but the
                block input and the two norms (3 d per token, fp32) is divided by TP.
                The coefficients were calibrated once by counting the bytes of the tensors that
                autograd saves for one block (torch.autograd.graph.saved_tensors_hooks, 11 shapes
@@ -102,14 +103,14 @@ _SHAPES_CACHE: dict = {}
 
 
 def _parameter_table(cfg: Config) -> dict:
-    """{part: [(name, numel)]} for the embedding, one block, the final norm and the LM head,
+    """{part: [(name, numel)]} for the embedding, each block, the final norm and the LM head,
     from one build on the meta device (exact, no memory; cached: a plan asks hundreds of times)."""
     key = repr(cfg.model)
     if key not in _SHAPES_CACHE:
         from ..model.accounting import build_on_meta
         model = build_on_meta(cfg.model)
-        parts = {"embed": model.embed, "layers.0": model.layers[0], "norm": model.norm,
-                 "lm_head": model.lm_head}
+        parts = {"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head,
+                 **{f"layers.{i}": block for i, block in enumerate(model.layers)}}
         _SHAPES_CACHE[key] = {prefix: [(f"{prefix}.{n}", p.numel()) for n, p in mod.named_parameters()]
                               for prefix, mod in parts.items()}
     return _SHAPES_CACHE[key]
@@ -117,7 +118,9 @@ def _parameter_table(cfg: Config) -> dict:
 
 def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
     """Parameters on one rank of each pipeline stage: the embedding on the first stage, the
-    blocks split evenly, the final norm and LM head on the last; TP shards divided by TP."""
+    blocks as the pipeline places them (parallel/layout.stage_layers), the final norm and LM
+    head on the last; TP shards divided by TP."""
+    from ..parallel.layout import stage_layers
     from ..parallel.tensor_parallel import padded_vocab_size, partition_dim
     m = cfg.model
     table = _parameter_table(cfg)
@@ -130,7 +133,7 @@ def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
             total += n // tp if partition_dim(name, m) is not None else n
         return int(total)
 
-    per_stage = [m.n_layers // pp * count("layers.0")] * pp
+    per_stage = [sum(count(f"layers.{i}") for i in layers) for layers in stage_layers(m, pp)]
     per_stage[0] += count("embed")
     if not (m.tie_embeddings and pp == 1):   # tied across stages: the last stage holds a copy
         per_stage[-1] += count("lm_head")
@@ -138,14 +141,18 @@ def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
     return per_stage
 
 
-def block_activation_bytes(cfg: Config, micro_batch: int, tp: int, bf16: bool) -> float:
-    """Bytes autograd keeps for one block and one micro-batch (module docstring)."""
+def block_activation_bytes(cfg: Config, micro_batch: int, tp: int, bf16: bool, layer: int = 0) -> float:
+    """Bytes autograd keeps for block `layer` and one micro-batch (module docstring); a hybrid's
+    blocks each by their own mixer's coefficients (a W layer's as softmax: its attention keeps
+    q, k, v and the output, as SDPA's kernel does)."""
+    from ..model.pattern import layer_mixer
     m = cfg.model
-    c = ACTIVATION_COEFFICIENTS[(m.mixer.value, bf16)]
+    mixer = layer_mixer(m, layer)
+    c = ACTIVATION_COEFFICIENTS[(mixer, bf16)]
     d, f, H, M, T = m.d_model, ffn_hidden_size(m), m.n_heads, m.state_size, m.chunk_size
     tokens = micro_batch * m.seq_length
     total = tokens * (c["d"] * d + c["f"] * f)
-    if m.mixer.value != "softmax":
+    if mixer != "softmax":
         total += tokens * (c["hm"] * H * M + c["chunk"] * d * M / T)
         total += c["mm"] * H * M * M + c["tm"] * H * T * M   # parameter-only tables (C, decays)
     replicated = tokens * 3 * d * 4   # block input and the two norms' outputs, on every TP rank
@@ -154,15 +161,16 @@ def block_activation_bytes(cfg: Config, micro_batch: int, tp: int, bf16: bool) -
 
 def stage_activation_bytes(cfg: Config, stage: int, pp: int, tp: int, micro_batch: int,
                            grad_accum: int, checkpointing: bool, bf16: bool) -> float:
+    from ..parallel.layout import stage_layers
     m = cfg.model
     tokens = micro_batch * m.seq_length
-    layers = m.n_layers // pp
-    block = block_activation_bytes(cfg, micro_batch, tp, bf16)
+    layers = stage_layers(m, pp)[stage]
+    blocks = [block_activation_bytes(cfg, micro_batch, tp, bf16, i) for i in layers]
     in_flight = min(pp - stage, grad_accum)   # 1F1B: stage s warms up with PP - s forwards
     if checkpointing:   # stored block inputs, plus one block being recomputed in backward
-        per_mb, once = layers * 4 * tokens * m.d_model, block
+        per_mb, once = len(layers) * 4 * tokens * m.d_model, max(blocks)
     else:
-        per_mb, once = layers * block, 0.0
+        per_mb, once = sum(blocks), 0.0
     if stage == 0:
         per_mb += 4 * tokens * m.d_model   # embedding output
     total = in_flight * per_mb + once
@@ -205,7 +213,9 @@ def communication(cfg: Config, tp: int, pp: int, dp: int, zero: int, micro_batch
     act = micro_batch * m.seq_length * m.d_model
     act_bytes = 2 if bf16 else 4
     per_block = (4 + (2 if checkpointing else 0)) * ring_ar(tp, act * act_bytes)
-    tp_bytes = grad_accum * (m.n_layers // pp * per_block + 2 * ring_ar(tp, act * 4))
+    from ..parallel.layout import stage_layers
+    busiest = max(len(layers) for layers in stage_layers(m, pp))   # blocks of the largest stage
+    tp_bytes = grad_accum * (busiest * per_block + 2 * ring_ar(tp, act * 4))
     pp_bytes = grad_accum * 2 * act * 4 if pp > 1 else 0
     return int(dp_bytes), int(tp_bytes), int(pp_bytes)
 

@@ -57,7 +57,7 @@ class InterdomainMixer(nn.Module):
         d, H, M = cfg.d_model, cfg.n_heads, cfg.state_size
         self.head_dim, self.state_size = d // H, M
         self.query_readout, self.dual_kv_input = cfg.query_readout, cfg.dual_kv_input
-        self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, cfg.readout.value
+        self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, getattr(cfg.readout, "value", cfg.readout)
         self.chunk_size, self.form = cfg.chunk_size, form
         self.context_parallel = None   # parallel/context_parallel.py sets it: this rank runs one block
         impl = getattr(cfg, "core_impl", "auto")   # exports written before core_impl existed: auto

@@ -1,10 +1,19 @@
-"""Softmax baseline: causal multi-head attention with RoPE through SDPA; no GQA."""
+"""Softmax baseline: causal multi-head attention with RoPE; no GQA. With model.window (the W
+layers of a hybrid, model/pattern.py) each query sees itself and the window - 1 tokens before
+it, and the KV cache keeps only those: a constant-size state once full.
+
+Full sequences go through ops/attention.causal_attention: SDPA's causal kernel without packed
+documents or a window, else FlexAttention (CUDA) or the blockwise form (CPU), never a dense
+[N, N] mask. Prefill after a cache, decode and left padding use SDPA with an explicit mask over
+the cached keys (at most [N, window + N] with a window).
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...ops.attention import causal_attention, visible
 from ..layers import Linear, apply_rope, left_padding
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL
 
@@ -18,12 +27,14 @@ class SoftmaxAttention(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.head_dim, self.rope, self.rope_theta = d // cfg.n_heads, cfg.rope, cfg.rope_theta
+        self.window = getattr(cfg, "window", None)   # None: every earlier token (exports before hybrids too)
         self.q_proj, self.k_proj, self.v_proj = (Linear(d, d, cfg.init_std) for _ in range(3))
         self.o_proj = Linear(d, d, residual_std)
         self.context_parallel = None   # parallel/context_parallel.py sets it: this rank runs one block
 
     def forward(self, x, state=None, return_state=False, start=None, seq_idx=None, position_ids=None):
-        """x [B, N, d]. state: the KV cache {'k', 'v': [B, L, H, Dh], 'pos': L} or None.
+        """x [B, N, d]. state: the KV cache {'k', 'v': [B, L, H, Dh], 'pos': tokens seen} or None
+        (with a window, L <= window: the cache holds the last L of the 'pos' tokens seen).
         start [B] or None: left padding, each row's first real position: no query sees a padded
         key, and RoPE counts each row's positions from its first real token.
         seq_idx [B, N] (packed documents, data.reset_attention_mask): attention is causal within
@@ -44,24 +55,27 @@ class SoftmaxAttention(nn.Module):
             q, k = apply_rope(q, rope_offset, self.rope_theta), apply_rope(k, rope_offset, self.rope_theta)
         if state:
             k, v = torch.cat([state["k"], k], dim=1), torch.cat([state["v"], v], dim=1)
-        if seq_idx is not None:   # [B, 1, N, N]: causal and within one document
-            causal = torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
-            mask, causal = (causal & (seq_idx[:, :, None] == seq_idx[:, None, :]))[:, None], False
-        elif start is not None:   # causal, minus padded keys; a padded query keeps its own key (no empty row)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if not state and start is None:   # a whole sequence (training, a first prefill)
+            o = causal_attention(qt, kt, vt, seq_idx, self.window)
+        else:   # continuing a cache, or left padding: the mask over the cached and new keys
             query_pos = pos + torch.arange(N, device=x.device)
-            key_pos = torch.arange(pos + N, device=x.device)
-            causal = key_pos[None, :] <= query_pos[:, None]
-            mask = (causal & (key_pos[None, None, :] >= start[:, None, None])) | (key_pos == query_pos[:, None])
-            mask, causal = mask[:, None], False   # [B, 1, N, L]: the same for every head
-        elif pos == 0 or N == 1:
-            mask, causal = None, N > 1
-        else:   # continuing a prefix: query i sees keys 0..pos+i (bottom-right aligned)
-            mask = torch.ones(N, pos + N, dtype=torch.bool, device=x.device).tril(pos)
-            causal = False
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=causal)
+            key_pos = torch.arange(pos + N - k.shape[1], pos + N, device=x.device)   # the cache's
+            mask = visible(query_pos, key_pos, window=self.window)                   # [N, L]
+            if start is not None:   # minus padded keys; a padded query keeps its own key (no empty row)
+                mask = (mask & (key_pos[None, None, :] >= start[:, None, None])) | \
+                    (key_pos[None, :] == query_pos[:, None])
+                mask = mask[:, None]                                                 # [B, 1, N, L]
+            # one new token sees every cached key unless the window cuts the cache (decided by
+            # shapes: no device sync per decoded token)
+            sees_all = N == 1 and start is None and (self.window is None or k.shape[1] <= self.window)
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=None if sees_all else mask)
         y = self.o_proj(o.transpose(1, 2).reshape(B, N, -1))   # -1: local heads under TP
-        return (y, {"k": k, "v": v, "pos": pos + N}) if return_state else y
+        if not return_state:
+            return y
+        if self.window is not None:   # the next query sees at most window - 1 of these
+            k, v = k[:, -self.window:], v[:, -self.window:]
+        return y, {"k": k, "v": v, "pos": pos + N}
 
     def _context_parallel_forward(self, x, seq_idx, position_ids):
         """This rank's block of queries against the keys and values of every block up to its
@@ -77,7 +91,7 @@ class SoftmaxAttention(nn.Module):
         k_all = cp.gather(k)[:cp.rank + 1].transpose(0, 1).reshape(B, seen, *k.shape[2:])
         v_all = cp.gather(v)[:cp.rank + 1].transpose(0, 1).reshape(B, seen, *v.shape[2:])
         query_pos = cp.rank * L + torch.arange(L, device=x.device)
-        mask = torch.arange(seen, device=x.device)[None, :] <= query_pos[:, None]   # [L, seen]
+        mask = visible(query_pos, torch.arange(seen, device=x.device), window=self.window)   # [L, seen]
         if seq_idx is not None:
             docs = cp.gather(seq_idx)[:cp.rank + 1].transpose(0, 1).reshape(B, seen)
             mask = mask & (seq_idx[:, :, None] == docs[:, None, :])
