@@ -106,8 +106,12 @@ def test_dry_run_lists_every_cell_of_the_paper(dry_runs):
     for name in expected:
         assert table.count(name) == 1, name
         assert [c for c in commands if f"--job-name={name}" in c] == [cells[name]["sbatch"]]
-    assert len(commands) == 16
+    assert len(commands) == 17
     assert "125m-cube-full = 125m-interdomain" in text
+    # the hybrid cell (not the paper's): its own config, the pattern's mixer and parameters
+    hybrid = cells["125m-hybrid"]
+    assert (hybrid["mixer"], hybrid["config"], hybrid["parameters"]) == \
+        ("hybrid", "configs/model/125m-hybrid.yaml", 135_088_620)
 
 
 @pytest.mark.parametrize("name, tokens, lr", [("125m-interdomain", 2_500_000_000, 3e-3),
