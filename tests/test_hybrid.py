@@ -77,9 +77,13 @@ def _fingerprint(cfg):
     from megatron_id.model.language_model import lm_loss
     model = LanguageModel(cfg, seed=42)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    flat = torch.cat([t.double().flatten() for t in weights.values()])
-    phase = torch.arange(flat.numel(), dtype=torch.float64).sin()
-    sums = [flat.sum().item(), flat.square().sum().item(), (flat * phase).sum().item()]
+    sums, offset = [0.0, 0.0, 0.0], 0   # over the tensors one at a time (no 1 GB float64 copy)
+    for tensor in weights.values():
+        flat = tensor.double().flatten()
+        phase = torch.arange(offset, offset + flat.numel(), dtype=torch.float64).sin()
+        offset += flat.numel()
+        for i, value in enumerate((flat.sum(), flat.square().sum(), (flat * phase).sum())):
+            sums[i] += value.item()
     tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []

@@ -98,6 +98,17 @@ def stage_layers(cfg: ModelConfig, pipe: int) -> list[range]:
     n = cfg.n_layers
     if pipe == 1:
         return [range(n)]
+    key = (repr(cfg), pipe)   # the planner asks hundreds of times per config
+    if key not in _STAGES:
+        _STAGES[key] = _stage_layers(cfg, pipe)
+    return _STAGES[key]
+
+
+_STAGES: dict = {}
+
+
+def _stage_layers(cfg: ModelConfig, pipe: int) -> list[range]:
+    n = cfg.n_layers
     marks = stage_layer_counts(cfg)
     if marks is not None and len(marks) == pipe:
         counts = marks

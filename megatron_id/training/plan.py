@@ -100,6 +100,7 @@ class Estimate:
 
 
 _SHAPES_CACHE: dict = {}
+_COUNTS: dict = {}
 
 
 def _parameter_table(cfg: Config) -> dict:
@@ -125,13 +126,16 @@ def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
     m = cfg.model
     table = _parameter_table(cfg)
     vocab_scale = padded_vocab_size(m, tp) / m.vocab_size
+    counted = _COUNTS.setdefault((repr(m), tp), {})   # per part, once per config and TP
 
     def count(prefix):
-        total = 0
-        for name, n in table[prefix]:
-            n = n * vocab_scale if prefix in ("embed", "lm_head") else n
-            total += n // tp if partition_dim(name, m) is not None else n
-        return int(total)
+        if prefix not in counted:
+            total = 0
+            for name, n in table[prefix]:
+                n = n * vocab_scale if prefix in ("embed", "lm_head") else n
+                total += n // tp if partition_dim(name, m) is not None else n
+            counted[prefix] = int(total)
+        return counted[prefix]
 
     per_stage = [sum(count(f"layers.{i}") for i in layers) for layers in stage_layers(m, pp)]
     per_stage[0] += count("embed")
