@@ -38,8 +38,10 @@ setup(
         # the fused chunked core for CUDA (model.core_impl=auto|triton; tl.gather needs >= 3.3);
         # tests run its kernels on the CPU under TRITON_INTERPRET=1 (tested with 3.9.0)
         "triton": ["triton>=3.3,<4"],
+        # Weights & Biases tracking (train.wandb; tested offline with 0.31)
+        "wandb": ["wandb>=0.19,<1"],
         "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval==0.4.13",
-                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4"],
+                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1"],
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },

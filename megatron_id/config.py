@@ -119,6 +119,21 @@ class DataConfig:
     reset_position_ids: bool = False         # RoPE positions restart in every document
     eod_mask_loss: bool = False              # no loss for the token after an end-of-document token
     eod_token_id: Optional[int] = None       # None: the data's own (its .meta.json sidecar)
+    # held-out sets evaluated beside the split's validation at every train.eval_interval, each a
+    # data path (a prefix, or weight/prefix pairs) read whole, logged as valid/<name>/loss
+    # (Megatron's --valid-data-path, named): data.valid_sets.wiki=[/data/wiki_text_document]
+    valid_sets: dict[str, list[str]] = field(default_factory=dict)
+
+
+class Schedule(str, Enum):
+    """The learning rate after warmup (training/optim.py has the formulas)."""
+    cosine = "cosine"       # the paper's: cosine from lr to min_lr over the rest of the run
+    wsd = "wsd"             # warmup-stable-decay: lr, then the last decay_fraction decays to min_lr
+    linear = "linear"       # linear from lr to min_lr over the rest of the run
+    constant = "constant"   # lr to the end
+
+
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 @dataclass
@@ -127,12 +142,49 @@ class OptimizerConfig:
     lr: float = 3e-3
     min_lr: float = 1e-5
     warmup_tokens: int = 375_000_000
+    schedule: Schedule = Schedule.cosine
+    # wsd: the decay takes the last decay_fraction of train.train_tokens, shaped linear, cosine or
+    # 1-sqrt [our choice: 0.2 and 1-sqrt, the cooldown Hagele et al. 2024 found to match cosine;
+    # Megatron-LM's --lr-wsd-decay-style has no default to follow]
+    decay_fraction: float = 0.2
+    decay_shape: str = "1-sqrt"
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     ssm_lr_max: float = 1e-3      # the SSM group runs at min(scheduled LR, this), no weight decay
+
+
+class WandbMode(str, Enum):
+    online = "online"
+    offline = "offline"       # written under train.wandb.dir; `wandb sync` uploads it later
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases tracking from rank 0 (training/metrics.py); off while project is None.
+    The run id is kept in every checkpoint, so a resumed or requeued job continues the same run."""
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    mode: WandbMode = WandbMode.online
+    dir: Optional[str] = None          # where wandb keeps its files; None: wandb's own default (./wandb)
+
+
+@dataclass
+class ProfileConfig:
+    """A torch.profiler window (training/profiling.py): steps start_step .. start_step+steps-1 on
+    the given ranks, a Chrome/TensorBoard trace per rank under dir; on CUDA also a memory
+    snapshot (torch.cuda.memory._dump_snapshot). Off while dir is None."""
+    dir: Optional[str] = None
+    start_step: int = 3                # after warm-up steps (allocations, compilation)
+    steps: int = 2
+    ranks: list[int] = field(default_factory=lambda: [0])
+    memory_snapshot: bool = True       # CUDA only
 
 
 @dataclass
@@ -180,6 +232,21 @@ class TrainConfig:
     # above the host's available memory: the kernel's OOM killer would end it without a word
     check_host_memory: bool = True
     deepspeed: dict = field(default_factory=dict)   # raw DeepSpeed config overrides
+    # one JSON line per step with every scalar TensorBoard gets (train/*, valid/*), for scripts and
+    # plots without a service; rank 0; a resumed run drops the lines after its checkpoint's step
+    metrics_file: Optional[str] = None
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # where each logged step's time went (data wait, forward, backward incl. gradient reduction,
+    # optimizer): a log line and train/time_* scalars at train.log_interval; on CUDA it
+    # synchronises the device between phases on those steps only
+    timing_breakdown: bool = True
+    # checkpoints: copy to host memory, then write in the background (the same staging, manifest
+    # and `latest` protocol; the next save, and the end of the run, wait for it)
+    async_save: bool = False
+    # at the end of a run that reached train_iters: export the last checkpoint to this Hugging
+    # Face folder (the rules of megatron-id export-hf; needs train.save and data.tokenizer)
+    export_hf_at_end: Optional[str] = None
 
 
 @dataclass
@@ -326,7 +393,8 @@ def _as_list_override(item: str) -> str:
     """Megatron's habit `--data-path PREFIX` (or 'W1 P1 W2 P2'): a plain value for a list key
     becomes the list, split at whitespace (`data.data_path=data/x_text_document`)."""
     key, value = item.split("=", 1)
-    if key.strip() in LIST_KEYS and value.strip() and not value.lstrip().startswith("["):
+    is_list = key.strip() in LIST_KEYS or key.strip().startswith("data.valid_sets.")
+    if is_list and value.strip() and not value.lstrip().startswith("["):
         return f"{key}=[{', '.join(value.split())}]"
     return item
 
@@ -437,6 +505,10 @@ def _check_ranges(cfg: Config) -> None:
         ("optimizer.adam_eps", o.adam_eps, 0 < o.adam_eps < 1, "must be a small positive number (e.g. 1e-8)"),
         ("optimizer.clip_grad", o.clip_grad, o.clip_grad >= 0, "must be >= 0 (0 turns clipping off)"),
         ("optimizer.ssm_lr_max", o.ssm_lr_max, o.ssm_lr_max > 0, "must be positive"),
+        ("optimizer.decay_fraction", o.decay_fraction, 0 < o.decay_fraction <= 1,
+         "must be in (0, 1]: the share of train.train_tokens the wsd decay takes (e.g. 0.2)"),
+        ("optimizer.decay_shape", o.decay_shape, o.decay_shape in DECAY_SHAPES,
+         f"must be one of {', '.join(DECAY_SHAPES)}"),
         ("train.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 1, "must be at least 1"),
         ("train.global_batch_size", t.global_batch_size, t.global_batch_size >= 1, "must be at least 1"),
         ("train.train_tokens", t.train_tokens, t.train_tokens >= 1, "must be positive"),
@@ -448,6 +520,8 @@ def _check_ranges(cfg: Config) -> None:
         ("train.peak_tflops", t.peak_tflops, t.peak_tflops > 0, "must be positive (per device, for MFU)"),
         ("train.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, t.max_nonfinite_in_a_row >= 0,
          "must be >= 0 (0: never stop)"),
+        ("train.profile.start_step", t.profile.start_step, t.profile.start_step >= 1, "must be at least 1 (the first step)"),
+        ("train.profile.steps", t.profile.steps, t.profile.steps >= 1, "must be at least 1"),
         ("train.collective_timeout_minutes", t.collective_timeout_minutes,
          0 < t.collective_timeout_minutes and math.isfinite(t.collective_timeout_minutes),
          "must be a positive number of minutes"),

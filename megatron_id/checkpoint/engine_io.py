@@ -34,13 +34,17 @@ def current_layout(trainer) -> dict:
     return layout_record(trainer.layout, trainer.cfg.train.zero_stage)
 
 
-def save(trainer, root, client: ClientState) -> Path:
+def save(trainer, root, client: ClientState, background: bool = False):
+    """The checkpoint of `client.step` under `root`, committed; with `background`, copied to host
+    memory and returned as a running BackgroundSave (checkpoint/background.py) instead."""
     root, tag = Path(root), tag_for(client.step)
     staged = root / STAGING / tag
     rank0 = dist.get_rank() == 0
     if rank0:
         staging_folder(root, tag)
     dist.barrier()
+    if background:
+        return _save_in_background(trainer, root, staged, client)
     trainer.engine.save_checkpoint(str(root / STAGING), tag=tag, save_latest=False)
     if trainer.cfg.train.reshardable_optimizer:
         reshard.save(trainer, staged)
@@ -54,6 +58,24 @@ def save(trainer, root, client: ClientState) -> Path:
         prune(root, keep=trainer.cfg.train.keep_last, current=tag)
     dist.barrier()
     return root / tag
+
+
+def _save_in_background(trainer, root: Path, staged: Path, client: ClientState):
+    from .background import BackgroundSave, host_copy_engine
+    engine = trainer.engine
+    host, original = host_copy_engine(), engine.checkpoint_engine
+    engine.checkpoint_engine = host   # DeepSpeed's files: kept in host memory, written by the thread
+    try:
+        engine.save_checkpoint(str(root / STAGING), tag=staged.name, save_latest=False)
+    finally:
+        engine.checkpoint_engine = original
+    if trainer.cfg.train.reshardable_optimizer:   # collectives: written now, in this thread
+        reshard.save(trainer, staged)
+    dist.barrier()   # every rank's copy is taken
+    rank0 = dist.get_rank() == 0
+    return BackgroundSave(staged, root, host.files, client if rank0 else None, dist.get_rank(),
+                          dist.get_world_size(), trainer.cfg.train.keep_last,
+                          timeout_s=60 * trainer.cfg.train.collective_timeout_minutes)
 
 
 def _write_manifest(folder: Path) -> None:

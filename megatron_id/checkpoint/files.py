@@ -163,6 +163,7 @@ class ClientState:
     # samples from it): data_path, split, seed, seq_length, eval_iters, global_batch_size,
     # train_iters, eval_interval; None: written before it was recorded, or by import-hf
     data: dict | None = None
+    wandb_run_id: str | None = None   # train.wandb's run: a resumed or requeued job continues it
 
     def model_config(self) -> ModelConfig:
         """The model as saved, for readers (eval, generate, export, conversion). core_impl is

@@ -320,6 +320,29 @@ def check_data(data_path, split, seq_length: int, vocab_size: int) -> None:
             raise DataConfigError(str(err)) from None
 
 
+def check_valid_set(name: str, data_path, seq_length: int, vocab_size: int) -> None:
+    """data.valid_sets.<name> before training: its prefixes exist, each holds a sample
+    (seq_length + 1 tokens), and every token id is below `vocab_size`."""
+    key = f"data.valid_sets.{name}"
+    try:
+        blend = parse_data_path(data_path)
+    except DataConfigError as err:
+        raise DataConfigError(f"{key}: {err}") from None
+    for _, prefix in blend:
+        try:
+            indexed = IndexedDataset(prefix)
+        except IndexedDatasetError as err:
+            raise DataConfigError(f"{key}: {err}") from None
+        tokens = int(indexed.lengths.sum(dtype=np.int64))
+        if tokens < seq_length + 1:
+            raise DataConfigError(f"{key}: {indexed.prefix} holds {tokens:,} tokens, fewer than model.seq_length + 1 "
+                                  f"= {seq_length + 1:,} needed for one sample: give a larger held-out set.")
+        try:
+            check_token_ids(indexed.prefix, vocab_size)
+        except IndexedDatasetError as err:
+            raise DataConfigError(f"{key}: {err}") from None
+
+
 class PretrainingSampler:
     """Micro-batches of sample indices for one data-parallel rank, starting after
     `consumed_samples` (counted over all ranks), so a resumed run continues the same order."""

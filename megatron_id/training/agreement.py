@@ -49,10 +49,13 @@ def run_tokenizer(cfg: Config) -> RunTokenizer:
     allow = d.allow_tokenizer_mismatch
     fix = (f"Preprocess all data with one tokenizer (data_tools.preprocess --tokenizer ...), or set "
            f"{MISMATCH_KEY} to mix on purpose.")
-    sides = []   # (what, identity, tokenizer path, vocab size) per prefix
-    for _, prefix in parse_data_path(d.data_path):
-        meta = matching_meta(IndexedDataset(prefix)) or {}
-        sides.append((f"data {prefix}", meta.get("tokenizer_id"), meta.get("tokenizer"), meta.get("vocab_size")))
+    sides = []   # (what, identity, tokenizer path, vocab size) per prefix, validation sets included
+    named = [("data", d.data_path)] + [(f"data.valid_sets.{name}", path) for name, path in d.valid_sets.items()]
+    for what, path in named:
+        for _, prefix in parse_data_path(path):
+            meta = matching_meta(IndexedDataset(prefix)) or {}
+            label = f"data {prefix}" if what == "data" else f"{what} {prefix}"
+            sides.append((label, meta.get("tokenizer_id"), meta.get("tokenizer"), meta.get("vocab_size")))
     mixed = False
     for other in sides[1:]:
         if not _same_data_tokenizer(sides[0], other, fix, allow):
@@ -75,7 +78,7 @@ def run_tokenizer(cfg: Config) -> RunTokenizer:
         vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         source = f"the tokenizer data.tokenizer={d.tokenizer}"
     else:
-        source = next((f"the tokenizer recorded in {s[0].removeprefix('data ')}.meta.json"
+        source = next((f"the tokenizer recorded in {s[0].split(' ', 1)[-1]}.meta.json"
                        for s in sides if s[3] == vocab_size), "the tokenizer")
     if vocab_size is not None and m.vocab_size < vocab_size:
         raise ConfigError(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,7 +47,7 @@ from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, r
 from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
 from ..checkpoint.integrity import CheckpointError
 from ..errors import UserError
-from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, parse_data_path
+from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, check_valid_set, parse_data_path
 from ..parallel import state, vocab_parallel_cross_entropy
 from ..parallel.tensor_parallel import parallel_model
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
@@ -58,9 +59,35 @@ from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, i
                           local_device_index, skip_deepspeed_shm_build, uses_cuda)
 from .compilation import check_compile_toolchain, compile_engine
 from .layout import deepspeed_config, training_layout
-from .metrics import Metrics
+from .metrics import Metrics, check_wandb
+from .profiling import ProfileWindow, StepTimer
 from .plan import run_estimate_gib
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
+
+
+def check_export_at_end(cfg: Config) -> None:
+    """train.export_hf_at_end, before any work: what the export at the end will need (train.save,
+    a tokenizer to ship) and a folder it may write (new, empty, or an earlier export)."""
+    out = cfg.train.export_hf_at_end
+    if not out:
+        return
+    from ..hf.export import why_not_an_export
+    if not cfg.train.save:
+        raise ConfigError(f"train.export_hf_at_end={out} exports the last checkpoint, and train.save is unset: "
+                          f"set train.save=<folder>.")
+    if not cfg.data.tokenizer:
+        raise ConfigError(f"train.export_hf_at_end={out} ships the data's tokenizer with the model, and "
+                          f"data.tokenizer is unset: set data.tokenizer=<tokenizer.json of the data>.")
+    folder, save = Path(out).resolve(), Path(cfg.train.save).resolve()
+    if folder == save or folder.is_relative_to(save):
+        raise ConfigError(f"train.export_hf_at_end={out} is inside train.save={cfg.train.save}, where the run's "
+                          f"checkpoints go: choose a folder outside it, e.g. {save.parent / 'hf'}.")
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"train.export_hf_at_end={out} is a file: give the path of a new or empty folder.")
+    reason = why_not_an_export(folder) if folder.is_dir() and any(folder.iterdir()) else None
+    if reason is not None:
+        raise ConfigError(f"train.export_hf_at_end={out} is not empty and is not an earlier export ({reason}): the "
+                          f"export at the end replaces only an earlier export. Choose a new or empty folder.")
 
 
 class NonFiniteTrainingError(UserError, RuntimeError):
@@ -137,6 +164,8 @@ class Trainer:
         if cfg.train.compile:   # in place: checkpoints keep their names (training/compilation.py)
             compile_engine(self.engine, cfg)
         self.device = getattr(self.engine, "device", "cpu")
+        self.timer = StepTimer(self.device)
+        self.wandb_run_id = None   # continued from the checkpoint resumed (training/metrics.py)
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
         self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
@@ -144,6 +173,7 @@ class Trainer:
             self.load_checkpoint(self.resume_from)
         self._restart_sampler()
         self.stop_requested, self.saved_step, self.stop_signal = False, self.step, 0
+        self.pending_save, self.last_save_blocked = None, None   # train.async_save
 
     def _preflight(self) -> tuple[str | None, str | None]:
         """Rank 0, before DeepSpeed starts: the checks that read files (data, tokenizers,
@@ -154,10 +184,14 @@ class Trainer:
             raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
                               "(data.data_path=[data/my_corpus_text_document]).")
         check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
+        for name, path in d.valid_sets.items():   # held-out sets: present, long enough, ids in the vocabulary
+            check_valid_set(name, path, m.seq_length, m.vocab_size)
         tokenizer = run_tokenizer(self.cfg)   # the blend, data.tokenizer and model.vocab_size agree
         if not uses_cuda():   # the OOM killer ends a CPU run over the host's memory without a word
             check_host_memory(self.cfg, self.layout, run_estimate_gib(self.cfg, self.layout, on_gpu=False))
         DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
+        check_wandb(self.cfg)
+        check_export_at_end(self.cfg)
         if t.compile:   # inductor's compiler, before the first step would find it missing
             check_compile_toolchain("cuda" if uses_cuda() else "cpu")
         resume, note = check_save_and_load(t.save, t.load)
@@ -175,7 +209,12 @@ class Trainer:
         return None if resume is None else str(resume), tokenizer.identity
 
     def close(self) -> None:
-        """Release train.save (the lock) at the end of a run."""
+        """Release train.save (the lock) at the end of a run, after a background save in flight
+        has finished writing (its errors were reported by wait_for_saves, or are moot here)."""
+        pending = getattr(self, "pending_save", None)
+        if pending is not None:
+            pending.thread.join()
+            self.pending_save = None
         if self.save_lock is not None:
             self.save_lock.release()
             self.save_lock = None
@@ -198,6 +237,9 @@ class Trainer:
         n_valid = evals * self.cfg.train.eval_iters * self.layout.global_batch_size
         train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
                                                        self.cfg.model.seq_length, self.cfg.seed, cache)
+        # each named set read whole (its own "valid" split of 100%), as many samples as the split's
+        self.valid_sets = {name: build_gpt_datasets(path, "0,100,0", (0, n_valid, 0), self.cfg.model.seq_length,
+                                                    self.cfg.seed, cache)[1] for name, path in d.valid_sets.items()}
         return train
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
@@ -247,7 +289,8 @@ class Trainer:
         """(inputs, labels) micro-batches for the PipelineEngine, read lazily: only the first
         and last stages pull from it."""
         for indices in sampler:
-            batch = self._batch(dataset, indices)
+            with self.timer.phase("data"):
+                batch = self._batch(dataset, indices)
             inputs, labels = batch[:, :-1], batch[:, 1:]
             if not self.documents.active:
                 yield inputs, labels
@@ -259,27 +302,38 @@ class Trainer:
             yield (inputs, seq_idx, position_ids), (labels, torch.ones_like(inputs, dtype=torch.float)
                                                     if mask is None else mask)
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over train.eval_iters global batches of the validation split (None without
         one). Each evaluation reads the next batches, so successive evaluations see new data."""
-        if self.valid_data is None or self.cfg.train.eval_iters < 1:
-            return None
+        losses = self.evaluate_all()
+        return losses.get(None)
+
+    def evaluate_all(self) -> dict:
+        """One validation round: {None: the split's loss, name: each data.valid_sets loss} (a
+        missing split or train.eval_iters=0 leaves its entry out). Round r reads samples
+        r x eval_iters x global batch onwards of each set."""
+        round_ = self.evaluations
+        self.evaluations += 1
+        sets = {None: self.valid_data, **self.valid_sets}
+        return {name: self._evaluate_on(data, round_) for name, data in sets.items()
+                if data is not None and self.cfg.train.eval_iters >= 1}
+
+    @torch.no_grad()
+    def _evaluate_on(self, dataset, round_: int) -> float:
         per_eval = self.cfg.train.eval_iters * self.layout.global_batch_size
-        start = (self.evaluations * per_eval) % max(len(self.valid_data) - per_eval + 1, 1)
+        start = (round_ * per_eval) % max(len(dataset) - per_eval + 1, 1)
         sampler = PretrainingSampler(start + per_eval, start, self.layout.micro_batch_size,
                                      state.get_sample_parallel_rank(), self.layout.data)
-        self.evaluations += 1
         if self.pipelined:   # mean over micro-batches and data-parallel ranks, on every stage
             with self._autocast(self.device):
                 loss = self.engine.eval_batch(
-                    self._pipeline_batches(self.valid_data, iter(sampler)),
+                    self._pipeline_batches(dataset, iter(sampler)),
                     num_micro_batches=self.cfg.train.eval_iters * self.layout.gradient_accumulation)
             return loss.item()
         self.engine.eval()
         total, count = torch.zeros(1, device=self.device), 0   # collectives run on the training device
         for indices in sampler:
-            total += self._loss(self._batch(self.valid_data, indices)).detach().float()
+            total += self._loss(self._batch(dataset, indices)).detach().float()
             count += 1
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.engine.train()
@@ -296,20 +350,25 @@ class Trainer:
 
     def _micro_batches(self, dataset, sampler, count: int):
         """`count` micro-batches, each read and its copy issued one micro-batch ahead of use."""
-        pending = self._batch(dataset, next(sampler))
+        with self.timer.phase("data"):
+            pending = self._batch(dataset, next(sampler))
         for i in range(count):
             current = pending
             if i + 1 < count:
-                pending = self._batch(dataset, next(sampler))
+                with self.timer.phase("data"):
+                    pending = self._batch(dataset, next(sampler))
             yield current
 
-    def train_step(self) -> float:
+    def train_step(self, timed: bool = False) -> float:
+        """One optimizer step. timed: measure where its time goes (self.last_timing)."""
+        self.timer.start(timed and self.cfg.train.timing_breakdown)
         lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
         updates_before = self.guard.updates
         loss = self._train_batch()
         self.last_skipped = self.guard.updates == updates_before
+        self.last_timing = self.timer.result()
         return loss
 
     def grad_norm(self) -> float | None:
@@ -323,16 +382,21 @@ class Trainer:
 
     def _train_batch(self) -> float:
         if self.pipelined:   # DeepSpeed runs the 1F1B schedule over gradient_accumulation micro-batches
-            with self._autocast(self.device):
+            with self._autocast(self.device), self.timer.phase("pipeline_schedule"):
                 loss = self.engine.train_batch(self._pipeline_batches(self.train_data, self.sampler))
+            if "data" in self.timer.phases:   # read inside the schedule: count it once
+                self.timer.phases["pipeline_schedule"] -= self.timer.phases["data"]
             self.guard.end_of_step()
             self.step += 1
             return loss.item()
         total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
         for batch in self._micro_batches(self.train_data, self.sampler, self.layout.gradient_accumulation):
-            loss = self._loss(batch)
-            self.engine.backward(loss)
-            self.engine.step()
+            with self.timer.phase("forward"):
+                loss = self._loss(batch)
+            with self.timer.phase("backward"):   # with the gradient reduction at the boundary
+                self.engine.backward(loss)
+            with self.timer.phase("optimizer"):
+                self.engine.step()
             total += loss.detach().float()
         self.guard.end_of_step()
         dist.all_reduce(total, group=state.get_data_parallel_group())
@@ -346,35 +410,55 @@ class Trainer:
         end or on SIGTERM / SIGUSR1. Returns the losses of the steps run."""
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         losses = []
-        metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0)
         start_step = self.step
+        metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0, start_step=start_step,
+                          wandb_run_id=self.wandb_run_id)
+        self.wandb_run_id = metrics.wandb_run_id or self.wandb_run_id   # kept in the checkpoints
         metrics.header(self.cfg, start_step)
+        profile = ProfileWindow(self.cfg, dist.get_rank(), self.device)
         heartbeat = Heartbeat()
         try:
             end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
             while self.step < end and not self._stop_agreed():
                 heartbeat.beat(self.step)
-                losses.append(self.train_step())
+                profile.before_step(self.step + 1)
+                losses.append(self.train_step(timed=metrics.logs(self.step + 1)))
+                profile.after_step(self.step)
                 self._count_nonfinite()
                 metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
-                             skipped=self.skipped_steps)
+                             skipped=self.skipped_steps, timing=self.last_timing)
                 if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
-                    metrics.validation(self.step, self.evaluate())
+                    for name, loss in self.evaluate_all().items():
+                        metrics.validation(self.step, loss, name)
+                metrics.end_step(self.step)
                 if self.cfg.train.save and self.step % self.cfg.train.save_interval == 0:
                     self.save_checkpoint(self.cfg.train.save)
             if self.cfg.train.save and self.step != self.saved_step:
                 self.save_checkpoint(self.cfg.train.save)
+            self.wait_for_saves()   # an asynchronous save finishes before the run says it is done
+            if self.cfg.train.export_hf_at_end and self.step >= self.layout.train_iters:
+                self._export_at_end()
         except RuntimeError as err:
             if not is_collective_timeout(err):
                 raise
             raise collective_timeout_error(err, self.step + 1, self.cfg.train.collective_timeout_minutes,
                                            heartbeat) from None
         finally:
+            profile.close(self.step)
             heartbeat.close()
             metrics.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return losses
+
+    def _export_at_end(self) -> None:
+        """train.export_hf_at_end: rank 0 exports the final checkpoint (export-hf's rules; an
+        earlier export in that folder is replaced, anything else was refused at start)."""
+        if dist.get_rank() == 0:
+            from ..hf.export import export_hf
+            out = export_hf(self.cfg.train.save, self.cfg.train.export_hf_at_end, overwrite=True)
+            print(f"exported step {self.step} to {out} (train.export_hf_at_end)", file=sys.stderr, flush=True)
+        dist.barrier()
 
     def _count_nonfinite(self) -> None:
         """A skipped step is counted; train.max_nonfinite_in_a_row of them in a row stop the run."""
@@ -427,10 +511,31 @@ class Trainer:
             tokenizer=str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
             tokenizer_id=self.tokenizer_id,
             evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state(),
-            data=self.data_record())
-        folder = engine_io.save(self, root, client)
+            data=self.data_record(), wandb_run_id=self.wandb_run_id)
+        self.wait_for_saves()   # one save at a time: the previous one is committed first
+        if self.cfg.train.async_save:
+            started = time.perf_counter()
+            self.pending_save = engine_io.save(self, root, client, background=True)
+            self.last_save_blocked = time.perf_counter() - started   # the host copy: what the loop waited
+            folder = Path(root) / self.pending_save.staged.name      # committed when the write ends
+            if dist.get_rank() == 0:
+                print(f"checkpoint {folder.name}: copied to host memory in {self.last_save_blocked:.2f} s, "
+                      f"writing in the background (train.async_save)", file=sys.stderr, flush=True)
+        else:
+            folder = engine_io.save(self, root, client)
         self.saved_step = self.step
         return folder
+
+    def wait_for_saves(self) -> None:
+        """Until the asynchronous save in flight (if any) is written and committed on every rank."""
+        pending, self.pending_save = getattr(self, "pending_save", None), None
+        if pending is None:
+            return
+        seconds = pending.wait()
+        dist.barrier()   # rank 0's commit is done before any rank goes on
+        if dist.get_rank() == 0:
+            print(f"checkpoint {pending.staged.name}: written and committed in the background in {seconds:.2f} s",
+                  file=sys.stderr, flush=True)
 
     def data_record(self) -> dict:
         """The data and validation settings a checkpoint records (for megatron-id eval)."""
@@ -439,11 +544,13 @@ class Trainer:
                 "seq_length": self.cfg.model.seq_length, "eval_iters": self.cfg.train.eval_iters,
                 "eval_interval": self.cfg.train.eval_interval, "train_iters": self.layout.train_iters,
                 "global_batch_size": self.layout.global_batch_size,
-                "index_cache_dir": d.index_cache_dir}
+                "index_cache_dir": d.index_cache_dir,
+                "valid_sets": {name: [str(x) for x in path] for name, path in d.valid_sets.items()}}
 
     def load_checkpoint(self, root) -> None:
         """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py)."""
         client = engine_io.load(self, root)
         self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
+        self.wandb_run_id = client.wandb_run_id
         if client.rng is not None:
             set_rng_state(client.rng)

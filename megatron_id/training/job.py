@@ -7,10 +7,11 @@ as `key=value` lines:
 
     override=train.save=D/checkpoints      (only when train.save is unset)
     override=train.load=D/checkpoints      (only when train.load is unset: resume from `latest`)
+    override=train.metrics_file=D/metrics.jsonl   (only when unset)
     save=...  config_record=...  tensor=2 pipe=1 data=2  step=40  train_iters=96
 
 Defaults for jobs [our choice, Megatron's habit]: checkpoints go to `<run dir>/checkpoints`,
-and `train.load` is `train.save`, so a requeued or chained job resumes from `latest` with the
+every step's scalars to `<run dir>/metrics.jsonl`, and `train.load` is `train.save`, so a requeued or chained job resumes from `latest` with the
 same command; a first run finds no checkpoint there and starts from scratch. A config or
 layout error is reported here, once, before srun starts a process per GPU.
 """
@@ -63,6 +64,8 @@ def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, wor
         extra.append(f"train.save={save}")
     if not cfg.train.load:
         extra.append(f"train.load={save}")
+    if not cfg.train.metrics_file:   # every step's scalars in the run folder, without any service
+        extra.append(f"train.metrics_file={run_dir / 'metrics.jsonl'}")
     cfg = load_config(config_files, [*overrides, *extra])
     layout = training_layout(cfg, world_size)
     from .plan import run_estimate_gib

@@ -8,8 +8,18 @@ megatron_id/model/roles.py), never listed here:
              k_bias, v_bias), Delta (log_dt), A (a_log, a_im), C (c_re, c_im), and the linear
              contraction vector c_vec [our choice: it reads the state as C does]:
              learning rate min(scheduled LR, ssm_lr_max) and no weight decay.
-Schedule: linear warmup over `warmup_tokens`, then cosine from lr to min_lr at `total_tokens`,
-then min_lr. Tokens (not steps) so that changing the batch size keeps the schedule.
+Schedule (optimizer.schedule), in tokens (not steps) so that changing the batch size keeps it:
+linear warmup from 0 over `warmup_tokens`, then, with p the progress from the warmup's end to
+`total_tokens` (0..1):
+  cosine     min_lr + (lr - min_lr) (1 + cos(pi p)) / 2            (the paper's)
+  linear     lr - (lr - min_lr) p
+  constant   lr
+  wsd        lr until the last `decay_fraction` of total_tokens, then from lr to min_lr with
+             q the progress through that decay: linear 1 - q, cosine (1 + cos(pi q)) / 2,
+             1-sqrt 1 - sqrt(q) (Hagele et al. 2024), scaling lr - min_lr
+and min_lr after `total_tokens` (lr for constant). As Megatron-LM's --lr-decay-style
+(cosine / linear / constant / WSD with --lr-wsd-decay-style) and torchtitan's lr_scheduler.
+The rate is a function of the tokens consumed alone, so a resume continues it exactly.
 """
 from __future__ import annotations
 
@@ -53,8 +63,21 @@ def learning_rate(tokens: float, opt, total_tokens: float) -> float:
     """The scheduled (base) learning rate after `tokens` training tokens."""
     if opt.warmup_tokens > 0 and tokens < opt.warmup_tokens:
         return opt.lr * tokens / opt.warmup_tokens
+    schedule = getattr(getattr(opt, "schedule", "cosine"), "value", getattr(opt, "schedule", "cosine"))
+    if schedule == "constant":
+        return opt.lr
+    if schedule == "wsd":
+        decay_start = max(total_tokens - opt.decay_fraction * total_tokens, opt.warmup_tokens)
+        if tokens < decay_start:
+            return opt.lr
+        q = min((tokens - decay_start) / max(total_tokens - decay_start, 1), 1.0)
+        factor = {"linear": 1 - q, "cosine": 0.5 * (1 + math.cos(math.pi * q)),
+                  "1-sqrt": 1 - math.sqrt(q)}[opt.decay_shape]
+        return opt.min_lr + (opt.lr - opt.min_lr) * factor
     decay_tokens = max(total_tokens - opt.warmup_tokens, 1)
     progress = min(max(tokens - opt.warmup_tokens, 0) / decay_tokens, 1.0)
+    if schedule == "linear":
+        return opt.lr - (opt.lr - opt.min_lr) * progress
     return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * progress))
 
 
