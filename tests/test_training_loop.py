@@ -195,8 +195,8 @@ def _train(rank, world, items, signal_at=None, kill_writing=None):
     if signal_at:
         step = trainer.train_step
 
-        def step_and_signal(**kwargs):
-            loss = step(**kwargs)
+        def step_and_signal():
+            loss = step()
             if trainer.step == signal_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGUSR1)
             return loss

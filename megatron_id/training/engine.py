@@ -174,6 +174,7 @@ class Trainer:
         self._restart_sampler()
         self.stop_requested, self.saved_step, self.stop_signal = False, self.step, 0
         self.pending_save, self.last_save_blocked = None, None   # train.async_save
+        self.time_next_step, self.last_timing = False, None       # train.timing_breakdown
 
     def _preflight(self) -> tuple[str | None, str | None]:
         """Rank 0, before DeepSpeed starts: the checks that read files (data, tokenizers,
@@ -359,9 +360,10 @@ class Trainer:
                     pending = self._batch(dataset, next(sampler))
             yield current
 
-    def train_step(self, timed: bool = False) -> float:
-        """One optimizer step. timed: measure where its time goes (self.last_timing)."""
-        self.timer.start(timed and self.cfg.train.timing_breakdown)
+    def train_step(self) -> float:
+        """One optimizer step; with self.time_next_step set (train() sets it on the steps that log),
+        where its time goes is measured into self.last_timing."""
+        self.timer.start(self.time_next_step and self.cfg.train.timing_breakdown)
         lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
@@ -422,7 +424,8 @@ class Trainer:
             while self.step < end and not self._stop_agreed():
                 heartbeat.beat(self.step)
                 profile.before_step(self.step + 1)
-                losses.append(self.train_step(timed=metrics.logs(self.step + 1)))
+                self.time_next_step = metrics.logs(self.step + 1)
+                losses.append(self.train_step())
                 profile.after_step(self.step)
                 self._count_nonfinite()
                 metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
