@@ -1,22 +1,29 @@
-"""The paper's orderings at CPU scale: train small softmax, interdomain and S4D-only models and the
-two cube cells (no query readout, single input) with one recipe on English Wikipedia, evaluate
-them with `megatron-id eval`, and write docs/replication.md.
+"""The paper's claims tested at CPU scale: length extrapolation at a context the Delta range fills,
+the head shape and Delta range at a short context, and recall learned on synthetic associative
+recall, each over several seeds; writes docs/replication.md.
 
-    python launch/reproduce.py --corpus ../shared/data/corpus --out runs/replication
-    python launch/reproduce.py --smoke --out /tmp/smoke          # the same steps in ~2 minutes
+    python launch/reproduce.py --out runs/replication                  # length, shapes, mqar (~1.5 h on 2 cores)
+    python launch/reproduce.py --out runs/replication --study cube     # the earlier study: docs/replication-cube.md
+    python launch/reproduce.py --smoke --out /tmp/smoke                # every step with tiny budgets
 
-Steps, each skipped when its result is already there, so a killed run continues where it stopped
-(a model's training resumes from its last checkpoint, every `train.save_interval` steps):
-  1. a 4,096-token byte-level BPE trained on the first training shard;
-  2. that shard preprocessed (`data_tools.preprocess`, --append-eod);
-  3. each model trained with `megatron-id train` (configs/replication/*.yaml + its cell);
-  4. `megatron-id eval` perplexity on the held-out validation articles and on text of other
-     sources, the length sweep (0.5x-4x the training context) and the recall probes;
-  5. the report (--report, default docs/replication.md beside this script's project; with
-     --smoke, <out>/replication.md), with its plots in a folder beside it.
+Studies (--study; each cell = one model and seed, trained in its own folder):
+  length  context 1,024, two heads of 64 (the paper's head size), the paper's Delta range
+          [1e-3, 1e-1]: softmax, interdomain and S4D-only, --seeds seeds each, --long-tokens tokens;
+          `megatron-id eval length` to 4x on held-out Wikipedia, window means and by position.
+  shapes  context 256, d_h 32 (4 heads) and 64 (2 heads) at d 128: interdomain with the paper's
+          Delta range and with the range scaled to the context ([0.0156, 0.5]), softmax at both
+          shapes; --short-tokens each; the same evaluation.
+  mqar    multi-query associative recall (`data.source=mqar`, Zoology's task, generated): softmax,
+          interdomain, S4D-only and a hybrid (a softmax layer over an interdomain one) at --widths,
+          `megatron-id eval mqar` accuracy against the size of the decode state (Zoology's fig. 2).
+  cube    the first study (six models at 256 on 3M tokens: perplexity, cube, recall probes);
+          docs/replication-cube.md, its analysis in docs/replication-cube-notes.md.
+Every step is skipped when its result is there, so a killed run continues where it stopped (a cell
+resumes from its last checkpoint); --jobs cells run at once, each with cores / jobs threads. The
+report states for each of the paper's orderings: the paper's figure, ours (mean and range over
+seeds), and holds / does not hold / tie, where a tie is any overlap of the seeds' ranges.
 The corpus folder must hold enwiki2015_train-00-of-04.jsonl.zst and enwiki2015_val.jsonl.zst
-(../shared/data/corpus, CC BY-SA 3.0: Wikipedia contributors); other sources are the .txt files
-given with --extra (default: extra/*.txt and tinyshakespeare.txt beside the corpus folder).
+(../shared/data/corpus, CC BY-SA 3.0: Wikipedia contributors).
 """
 from __future__ import annotations
 
@@ -28,26 +35,55 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = [ROOT / "configs" / "replication" / "model.yaml", ROOT / "configs" / "replication" / "train.yaml"]
+REPLICATION = ROOT / "configs" / "replication"
+CONFIGS = [REPLICATION / "model.yaml", REPLICATION / "train.yaml"]
+STUDIES = ("length", "shapes", "mqar", "cube")
+DEFAULT_STUDIES = ("length", "shapes", "mqar")
+PAPER_DT, SCALED_DT = [], ["model.dt_min=0.0156", "model.dt_max=0.5"]   # the schema's default is the paper's
+FACTORS = ("0.5", "1", "2", "3.5", "4")
 
-# name -> overrides; the first five are the issue's, the last tests an explanation (see the report)
-MODELS = {
+# the cube study (docs/replication-cube.md): name -> overrides
+CUBE_MODELS = {
     "softmax": ["model.mixer=softmax"],
     "interdomain": [],
     "s4d-only": ["model.mixer=s4d"],
     "no-query-readout": ["model.query_readout=false"],
     "single-input": ["model.dual_kv_input=false"],
-    "interdomain-dt-scaled": ["model.dt_min=0.0156", "model.dt_max=0.5"],
+    "interdomain-dt-scaled": SCALED_DT,
 }
-SMOKE_MODELS = ["softmax", "interdomain"]
+MIXERS = {"softmax": ["model.mixer=softmax"], "interdomain": [], "s4d-only": ["model.mixer=s4d"],
+          # a softmax layer over an interdomain one: the smallest hybrid (issue 27's layer_pattern)
+          "hybrid": ["model.layer_pattern=IA"]}
 
 
 def log(message: str) -> None:
     print(f"[reproduce {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass
+class Cell:
+    study: str
+    model: str              # the row it averages into (e.g. interdomain-dh64)
+    seed: int
+    items: list             # config overrides besides data, budget and folders
+    tokens: int
+    context: int
+    configs: list = field(default_factory=lambda: list(CONFIGS))
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-seed{self.seed}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.study}/{self.name}"
 
 
 class Run:
@@ -55,7 +91,9 @@ class Run:
         self.args, self.out = args, args.out
         self.state_file = self.out / "state.json"
         self.state = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
-        self.env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(os.cpu_count() or 1),
+        self.lock, self.children, self.stopped = threading.Lock(), set(), []
+        threads = max(1, (os.cpu_count() or 1) // max(args.jobs, 1))
+        self.env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads),
                     "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     "MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
@@ -63,37 +101,46 @@ class Run:
         return step in self.state
 
     def mark(self, step: str, seconds: float, **extra) -> None:
-        self.state[step] = {"seconds": round(seconds, 1), **extra}
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        os.replace(tmp, self.state_file)
+        with self.lock:
+            self.state[step] = {"seconds": round(seconds, 1), **extra}
+            tmp = self.state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.state, indent=1))
+            os.replace(tmp, self.state_file)
+
+    def forward_signals(self):
+        """SIGTERM / SIGINT / SIGUSR1 go to every running step (a training run saves a checkpoint
+        and stops), then this run stops, saying how to continue."""
+        def forward(signum, frame):   # the trainer treats a repeated signal like one
+            self.stopped.append(signum)
+            with self.lock:
+                for child in self.children:
+                    child.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, forward)
 
     def call(self, argv, log_file: Path | None = None) -> str:
-        """Run a step; its output goes to log_file (appended: a resumed step keeps its history).
-        SIGTERM / SIGINT / SIGUSR1 are passed to the step (a training run saves a checkpoint and
-        stops), then this run stops too, saying how to continue."""
+        """Run a step; its output goes to log_file (appended: a resumed step keeps its history)."""
+        if self.stopped:
+            raise SystemExit(f"reproduce: stopped by signal {self.stopped[0]}; rerun the same command to continue "
+                             f"from here.")
         log_file = log_file or self.out / "logs" / "steps.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         start = log_file.stat().st_size if log_file.exists() else 0
         with open(log_file, "a") as f:
             child = subprocess.Popen([str(a) for a in argv], env=self.env, cwd=ROOT, stdout=f,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            received = []
-
-            def forward(signum, frame):   # the trainer treats a repeated signal like one
-                received.append(signum)
-                child.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
-            previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+            with self.lock:
+                self.children.add(child)
             try:
                 code = child.wait()
             finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
+                with self.lock:
+                    self.children.discard(child)
         with open(log_file) as f:
             f.seek(start)
             output = f.read()
-        if received:
-            raise SystemExit(f"reproduce: stopped by signal {received[0]} during: {' '.join(map(str, argv[:4]))} "
+        if self.stopped:
+            raise SystemExit(f"reproduce: stopped by signal {self.stopped[0]} during: {' '.join(map(str, argv[:4]))} "
                              f"...; rerun the same command to continue from here.")
         if code != 0:
             raise SystemExit(f"reproduce: error: step failed (exit {code}): {' '.join(map(str, argv))}\n"
@@ -105,32 +152,147 @@ class Run:
             return
         log(f"{name} ...")
         start = time.time()
-        extra = body() or {}
+        extra = body()
+        extra = extra if isinstance(extra, dict) else {}
         self.mark(name, time.time() - start, **extra)
         log(f"{name} done in {time.time() - start:.0f} s")
 
+    def parallel(self, steps: list) -> None:
+        """(name, body) steps, --jobs at a time; the first failure stops new ones and is raised
+        after the running ones end."""
+        todo = [(n, b) for n, b in steps if not self.done(n)]
+        if not todo:
+            return
+        with ThreadPoolExecutor(max(1, self.args.jobs)) as pool:
+            futures = [pool.submit(self.step, n, b) for n, b in todo]
+            error = None
+            for future in futures:
+                try:
+                    future.result()
+                except BaseException as err:   # SystemExit from a step: let the others finish, then raise
+                    if error is None:
+                        error = err
+                        for other in futures:
+                            other.cancel()
+            if error is not None:
+                raise error
 
-def train_steps(args) -> int:
-    return max(1, args.tokens // (16 * 256))
 
+# ---------------------------------------------------------------- the cells
+
+def budgets(args) -> dict:
+    if args.smoke:
+        return {"long": 8 * 4096, "short": 8 * 4096, "mqar_steps": 40, "context": 256, "mqar_samples": 64,
+                "eval_tokens": 4096 * 2}
+    return {"long": args.long_tokens, "short": args.short_tokens, "mqar_steps": args.mqar_steps, "context": 1024,
+            "mqar_samples": 1000, "eval_tokens": 65536}
+
+
+def study_cells(args) -> list[Cell]:
+    b, seeds = budgets(args), range(1, args.seeds + 1)
+    cells = []
+    if "length" in args.study:
+        models = ["softmax", "interdomain"] if args.smoke else ["softmax", "interdomain", "s4d-only"]
+        cells += [Cell("length", m, s, ["model.n_heads=2", *MIXERS[m]], b["long"], b["context"])
+                  for m in models for s in seeds]
+    if "shapes" in args.study:
+        shapes = {"interdomain-dh32": ["model.n_heads=4"], "interdomain-dh64": ["model.n_heads=2"],
+                  "interdomain-dh32-dtscaled": ["model.n_heads=4", *SCALED_DT],
+                  "interdomain-dh64-dtscaled": ["model.n_heads=2", *SCALED_DT],
+                  "softmax-dh32": ["model.n_heads=4", *MIXERS["softmax"]],
+                  "softmax-dh64": ["model.n_heads=2", *MIXERS["softmax"]]}
+        if args.smoke:
+            shapes = {k: v for k, v in shapes.items() if k in ("interdomain-dh32", "interdomain-dh64")}
+        cells += [Cell("shapes", m, s, items, b["short"], 256) for m, items in shapes.items() for s in seeds]
+    if "mqar" in args.study:
+        mqar = [REPLICATION / "mqar.yaml"]
+        mixers = ["softmax", "interdomain"] if args.smoke else list(MIXERS)
+        widths = args.widths[:1] if args.smoke else args.widths
+        for width in widths:
+            for m in mixers:
+                for s in seeds:
+                    tokens = b["mqar_steps"] * 64 * 64   # global batch 64 x context 64 (configs/replication/mqar.yaml)
+                    cells.append(Cell("mqar", f"{m}-d{width}", s, [f"model.d_model={width}", *MIXERS[m]], tokens,
+                                      64, mqar))
+    return cells
+
+
+def train_cell(run: Run, args, cell: Cell, data: Path, tokenizer: Path) -> dict:
+    py, save = sys.executable, args.out / "runs" / cell.study / cell.name
+    batch = 64 if cell.study == "mqar" else max(1, 4096 // cell.context)
+    items = [f"train.train_tokens={cell.tokens}", f"train.save={save}", f"train.load={save}", f"seed={cell.seed}",
+             f"model.seq_length={cell.context}", f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+             f"optimizer.warmup_tokens={max(cell.tokens // 10, 1)}", *cell.items]
+    if cell.study != "mqar":
+        items += [f"data.data_path=[{data}_text_document]", f"data.tokenizer={tokenizer}"]
+    if args.smoke:
+        items += ["train.save_interval=4", "train.log_interval=2"]
+    config = [a for c in cell.configs for a in ("--config", str(c))]
+    run.call([py, "-m", "megatron_id.cli", "train", *config, *items],
+             args.out / "logs" / cell.study / f"{cell.name}.log")
+    steps = -(-cell.tokens // (batch * cell.context))   # the trainer's train_iters: whole steps, rounded up
+    latest = (save / "latest").read_text().strip()
+    if latest != f"iter_{steps:07d}":
+        raise SystemExit(f"reproduce: error: {cell.key} stopped at {latest} of {steps} steps (signalled?): "
+                         f"rerun to continue.")
+    return {"steps": steps}
+
+
+def eval_cell(run: Run, args, cell: Cell, val: Path) -> None:
+    py, save = sys.executable, args.out / "runs" / cell.study / cell.name
+    folder = args.out / "eval" / cell.study / cell.name
+    shutil.rmtree(folder, ignore_errors=True)   # ours: an interrupted eval starts again
+    b = budgets(args)
+    if cell.study == "mqar":
+        options = ["mqar", "--samples", str(b["mqar_samples"]), "--batch-size", "64"]
+    else:
+        options = ["length", "--text", str(val), "--max-tokens", str(b["eval_tokens"]), "--factors", *FACTORS,
+                   "--bucket", "0.25"]
+    run.call([py, "-m", "megatron_id.cli", "eval", options[0], "--checkpoint", save, "--name", cell.name,
+              "--device", "cpu", "--out", folder, *options[1:]], args.out / "logs" / cell.study / f"{cell.name}.log")
+
+
+def cell_result(out: Path, cell: Cell) -> dict:
+    return json.loads((out / "eval" / cell.study / cell.name / "results.json").read_text())["results"][0]
+
+
+# ---------------------------------------------------------------- main
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "data" / "corpus")
-    p.add_argument("--extra", nargs="*", type=Path, default=None, help="other sources (.txt files)")
+    p.add_argument("--extra", nargs="*", type=Path, default=None, help="cube: other sources (.txt files)")
     p.add_argument("--out", type=Path, required=True, help="working folder (created; reused to resume)")
-    p.add_argument("--tokens", type=int, default=3_000_000, help="training tokens per model (default 3M)")
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=None)
-    p.add_argument("--report", type=Path, default=None, help="default: docs/replication.md (smoke: <out>)")
-    p.add_argument("--smoke", action="store_true", help="tiny budgets, two models: checks the pipeline")
+    p.add_argument("--study", nargs="+", choices=STUDIES, default=list(DEFAULT_STUDIES))
+    p.add_argument("--seeds", type=int, default=3, help="seeds per cell (default 3)")
+    p.add_argument("--jobs", type=int, default=2, help="cells trained at once (default 2; threads = cores / jobs)")
+    p.add_argument("--long-tokens", type=int, default=1_000_000, help="length study: tokens per model (1M)")
+    p.add_argument("--short-tokens", type=int, default=500_000, help="shapes study: tokens per model (500K)")
+    p.add_argument("--mqar-steps", type=int, default=400, help="mqar study: steps of 64 sequences (400)")
+    p.add_argument("--widths", nargs="+", type=int, default=[32, 64], help="mqar study: d_model values")
+    p.add_argument("--cells", nargs="+", default=None, metavar="GLOB",
+                   help="only the cells matching one of these (e.g. 'length/softmax-*'); the report shows those")
+    p.add_argument("--tokens", type=int, default=3_000_000, help="cube: training tokens per model (default 3M)")
+    p.add_argument("--models", nargs="+", choices=list(CUBE_MODELS), default=None, help="cube: models")
+    p.add_argument("--report", type=Path, default=None,
+                   help="default: docs/replication.md (cube: docs/replication-cube.md; smoke: in --out)")
+    p.add_argument("--smoke", action="store_true", help="tiny budgets, two models per study: checks the pipeline")
     args = p.parse_args(argv)
+    for option, value, least in (("--seeds", args.seeds, 1), ("--jobs", args.jobs, 1),
+                                 ("--long-tokens", args.long_tokens, 4096), ("--short-tokens", args.short_tokens, 4096),
+                                 ("--mqar-steps", args.mqar_steps, 1), ("--tokens", args.tokens, 4096),
+                                 *(("--widths", w, 8) for w in args.widths)):
+        if value < least:
+            raise SystemExit(f"reproduce: error: {option} {value}: at least {least:,}.")
     if args.smoke:
+        args.seeds = min(args.seeds, 2)
         args.tokens = min(args.tokens, 24 * 16 * 256)
-        args.models = args.models or SMOKE_MODELS
-    args.models = args.models or list(MODELS)
-    args.report = args.report or (args.out / "replication.md" if args.smoke else ROOT / "docs" / "replication.md")
-    shard = args.corpus / "enwiki2015_train-00-of-04.jsonl.zst"
-    val = args.corpus / "enwiki2015_val.jsonl.zst"
+        args.models = args.models or ["softmax", "interdomain"]
+    args.models = args.models or list(CUBE_MODELS)
+    docs = args.out if args.smoke else ROOT / "docs"
+    studies_report = args.report or docs / "replication.md"
+    cube_report = args.report or docs / "replication-cube.md"
+    shard, val = args.corpus / "enwiki2015_train-00-of-04.jsonl.zst", args.corpus / "enwiki2015_val.jsonl.zst"
     for f in (shard, val):
         if not f.is_file():
             raise SystemExit(f"reproduce: error: {f} not found: --corpus must be the folder holding the Wikipedia "
@@ -141,94 +303,342 @@ def main(argv=None) -> int:
     for f in args.extra:
         if not f.is_file():
             raise SystemExit(f"reproduce: error: --extra {f} not found.")
-    if args.tokens < 16 * 256:
-        raise SystemExit(f"reproduce: error: --tokens {args.tokens}: at least one step of 4,096 tokens.")
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args)
-    if run.state.get("settings", {}).get("tokens", args.tokens) != args.tokens:
-        raise SystemExit(f"reproduce: error: {args.out} holds a run with --tokens {run.state['settings']['tokens']}: "
-                         f"give that value to continue it, or another --out.")
-    run.state.setdefault("settings", {"tokens": args.tokens, "smoke": args.smoke})
-    started = time.time()
+    settings = {"tokens": args.tokens, "smoke": args.smoke, "long_tokens": args.long_tokens,
+                "short_tokens": args.short_tokens, "mqar_steps": args.mqar_steps}
+    recorded = run.state.get("settings", {})
+    for key, value in settings.items():
+        if key in recorded and recorded[key] != value:
+            raise SystemExit(f"reproduce: error: {args.out} holds a run with {key}={recorded[key]} (now {value}): "
+                             f"give the same budgets to continue it, or another --out.")
+    run.state["settings"] = {**recorded, **settings}
+    run.forward_signals()
     py = sys.executable
     tokenizer, data = args.out / "tokenizer.json", args.out / "data" / "wiki"
-    budget = (4096, 4096 * 4, 2) if args.smoke else (65536, 32768, 8)   # ppl tokens, sweep tokens, samples
+    command = " ".join(["python", "launch/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
 
-    def make_tokenizer():
-        run.call([py, "-m", "data_tools.train_tokenizer", "--input", shard, "--vocab-size", "4096",
-                  "--output", tokenizer, "--overwrite"])
+    run.step("tokenizer", lambda: run.call([py, "-m", "data_tools.train_tokenizer", "--input", shard, "--vocab-size",
+                                            "4096", "--output", tokenizer, "--overwrite"]))
+    run.step("preprocess", lambda: run.call([py, "-m", "data_tools.preprocess", "--input", shard, "--tokenizer",
+                                             tokenizer, "--output-prefix", data, "--append-eod", "--workers", "2",
+                                             "--no-progress", "--overwrite"]))
+    cells = study_cells(args)
+    if args.cells:
+        import fnmatch
+        cells = [c for c in cells if any(fnmatch.fnmatch(c.key, pattern) for pattern in args.cells)]
+        if not cells:
+            raise SystemExit(f"reproduce: error: --cells {' '.join(args.cells)} matches no cell of --study "
+                             f"{' '.join(args.study)} (cells are named like length/softmax-seed1).")
+    run.parallel([(f"train:{c.key}", lambda c=c: train_cell(run, args, c, data, tokenizer)) for c in cells])
+    run.parallel([(f"eval:{c.key}", lambda c=c: eval_cell(run, args, c, val)) for c in cells])
+    if cells:
+        write_studies_report(run, args, cells, studies_report, command)
+        log(f"report: {studies_report}")
+    if "cube" in args.study:
+        cube_study(run, args, py, tokenizer, data, val, cube_report, command)
+        log(f"report: {cube_report}")
+    return 0
 
-    def make_data():
-        run.call([py, "-m", "data_tools.preprocess", "--input", shard, "--tokenizer", tokenizer, "--output-prefix",
-                  data, "--append-eod", "--workers", "2", "--no-progress", "--overwrite"])
 
-    run.step("tokenizer", make_tokenizer)
-    run.step("preprocess", make_data)
-    steps = train_steps(args)
+# ---------------------------------------------------------------- the studies' report
+
+PAPER_LENGTH = {"softmax": (12.79, 20.54, 55.92), "interdomain": (14.36, 14.14, 14.26),
+                "s4d-only": (27.24, 26.89, 26.75)}   # ../shared/docs/paper-results.md: 1.3B at 4K, 8K, 14K
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """mean [min, max] over seeds."""
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+
+def below(a: list[float], b: list[float]) -> str:
+    """`a < b` by every seed (holds), `a > b` by every seed (does not hold), else a tie."""
+    if not a or not b:
+        return "n/a (not run)"
+    if max(a) < min(b):
+        return "**holds**"
+    if min(a) > max(b):
+        return "**does not hold**"
+    return "**tie** (the seeds' ranges overlap)"
+
+
+def within(values: list[float], low: float, high: float) -> str:
+    """Every seed inside [low, high] (holds), every seed outside (does not hold), else mixed."""
+    if not values:
+        return "n/a (not run)"
+    inside = [low <= v <= high for v in values]
+    return "**holds**" if all(inside) else ("**does not hold**" if not any(inside) else "**mixed** (seeds disagree)")
+
+
+def write_studies_report(run: Run, args, cells: list[Cell], report: Path, command: str) -> None:
+    out = args.out
+    plots = report.parent / (report.stem + "-plots")
+    plots.mkdir(parents=True, exist_ok=True)
+    results = {c.key: cell_result(out, c) for c in cells}
+    by_model: dict = {}
+    for c in cells:
+        by_model.setdefault((c.study, c.model), []).append(results[c.key])
+
+    def ratios(study, model, factor="3.5"):
+        return [next(x["vs_1x"] for x in r["contexts"] if x["factor"] == float(factor))
+                for r in by_model.get((study, model), [])]
+
+    def ppl(study, model, factor="1"):
+        return [next(x["perplexity"] for x in r["contexts"] if x["factor"] == float(factor))
+                for r in by_model.get((study, model), [])]
+
+    def accuracy(model):
+        return [r["accuracy"] for r in by_model.get(("mqar", model), [])]
+
+    train_seconds = {k: v["seconds"] for k, v in run.state.items() if isinstance(v, dict) and "seconds" in v}
+    total = sum(train_seconds.values())
+    b = budgets(args)
+    lines = ["# Replication at CPU scale: the paper's claims over seeds", "",
+             "Generated by `launch/reproduce.py`; every number comes from its `megatron-id eval` results "
+             f"(`{out}/eval/<study>/<cell>/results.json`). The first study (six models at context 256, the cube and "
+             "the perplexity tables) is in [replication-cube.md](replication-cube.md).", "",
+             f"- command: `{command}`",
+             f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
+             f"torch {__import__('torch').__version__}, {platform.platform()}",
+             f"- time: {total / 60:.1f} minutes of steps ({args.jobs} at once, so the wall clock was less; "
+             "a resumed run adds its parts)",
+             f"- seeds: {args.seeds} per cell (the seed sets the initialisation and the data order); "
+             "`mean [min, max]` over them everywhere below",
+             f"- budgets: length {b['long']:,} tokens per model at context {b['context']:,}; shapes {b['short']:,} "
+             f"tokens at 256; mqar {b['mqar_steps']} steps of 64 sequences of 64 tokens", ""]
+    rows = []   # (claim, paper, ours, verdict)
+    L = "length"
+    if any(c.study == L for c in cells):
+        ri, rs, rd = (ratios(L, m) for m in ("interdomain", "softmax", "s4d-only"))
+        rows += [
+            (f"interdomain flat to 3.5x (context {b['context']:,})", "14K/4K: 0.99x", spread(ri) + "x",
+             within(ri, 0, 1.05)),
+            (f"softmax (RoPE) rises > 30% at 3.5x (context {b['context']:,})", "14K/4K: 4.37x", spread(rs) + "x",
+             within(rs, 1.30, float("inf"))),
+            ("interdomain's 3.5x / 1x below softmax's", "0.99x < 4.37x", f"{spread(ri)}x vs {spread(rs)}x",
+             below(ri, rs)),
+            (f"S4D-only flat to 3.5x (context {b['context']:,})", "14K/4K: 0.98x", spread(rd) + "x",
+             within(rd, 0, 1.05)),
+            ("interdomain perplexity at 1x below S4D-only's", "14.36 vs 27.24",
+             f"{spread(ppl(L, 'interdomain'), 2)} vs {spread(ppl(L, 's4d-only'), 2)}",
+             below(ppl(L, "interdomain"), ppl(L, "s4d-only")))]
+    S = "shapes"
+    if any(c.study == S for c in cells):
+        for shape in ("dh32", "dh64"):
+            ri, rs = ratios(S, f"interdomain-{shape}"), ratios(S, f"softmax-{shape}")
+            rows.append((f"at 256, {shape.replace('dh', 'd_h ')}: interdomain's 3.5x / 1x below softmax's",
+                         "0.99x < 4.37x (at 4K)", f"{spread(ri)}x vs {spread(rs)}x", below(ri, rs)))
+        for shape in ("dh32", "dh64"):
+            rows.append((f"at 256, {shape.replace('dh', 'd_h ')}, Delta scaled to the context: interdomain flat "
+                         "to 3.5x", "-", spread(ratios(S, f"interdomain-{shape}-dtscaled")) + "x",
+                         within(ratios(S, f"interdomain-{shape}-dtscaled"), 0, 1.05)))
+        a, c64 = ratios(S, "interdomain-dh32"), ratios(S, "interdomain-dh64")
+        rows.append(("at 256 (the paper's Delta range): d_h 64 extrapolates better than d_h 32 (not a paper claim; "
+                     "the question issue 29 asks)", "-", f"{spread(c64)}x vs {spread(a)}x", below(c64, a)))
+    if any(c.study == "mqar" for c in cells):
+        for width in args.widths:
+            acc = {m: accuracy(f"{m}-d{width}") for m in MIXERS}
+            if not acc["softmax"]:
+                continue
+            rows.append((f"MQAR at d {width}: softmax above interdomain", "needle 1K: 99.5 > 65.5",
+                         f"{spread(acc['softmax'])} vs {spread(acc['interdomain'])}",
+                         below(acc["interdomain"], acc["softmax"])))
+            rows.append((f"MQAR at d {width}: interdomain above S4D-only", "needle 1K: 65.5 > 0",
+                         f"{spread(acc['interdomain'])} vs {spread(acc['s4d-only'])}",
+                         below(acc["s4d-only"], acc["interdomain"])))
+            if acc["hybrid"]:
+                rows.append((f"MQAR at d {width}: the hybrid (a softmax layer) above interdomain", "- (hybrids: "
+                             "not in the paper)", f"{spread(acc['hybrid'])} vs {spread(acc['interdomain'])}",
+                             below(acc["interdomain"], acc["hybrid"])))
+    lines += ["## The orderings", "",
+              "A claim about one model holds when every seed meets it; an ordering holds when every seed of one "
+              "model beats every seed of the other, does not hold when the reverse is true, and is a tie otherwise.", "",
+              "| claim | paper | here | verdict |", "|---|---|---|---|"]
+    lines += [f"| {c} | {p} | {o} | {v} |" for c, p, o, v in rows] + [""]
+    for study, title in ((L, f"## Length extrapolation at context {b['context']:,} (two heads of 64, the paper's "
+                          "Delta range)"), (S, "## Head shape and Delta range at context 256")):
+        models = list(dict.fromkeys(c.model for c in cells if c.study == study))
+        if not models:
+            continue
+        lines += [title, "", "Held-out Wikipedia articles (joined, cut into windows); perplexity at 1x and each "
+                  "context's perplexity / 1x's, mean [min, max] over seeds.", "",
+                  "| model | 1x perplexity | " + " | ".join(f"{f}x / 1x" for f in FACTORS) + " |",
+                  "|" + "---|" * (len(FACTORS) + 2)]
+        for m in models:
+            lines.append(f"| {m} | {spread(ppl(study, m), 2)} | " +
+                         " | ".join(spread(ratios(study, m, f)) for f in FACTORS) + " |")
+        lines += ["", "By position in the longest (4x) windows: loss (nats) per quarter of the training length, "
+                  "mean over seeds; a flat row past 1x is extrapolation.", ""]
+        first = by_model[(study, models[0])][0]["positions"]
+        edges = [(x["start"], x["end"]) for x in first["buckets"]]
+        train_length = by_model[(study, models[0])][0]["train_length"]
+        lines += ["| model | " + " | ".join(f"{s / train_length:g}-{e / train_length:g}x" for s, e in edges) + " |",
+                  "|" + "---|" * (len(edges) + 1)]
+        curves = {}
+        for m in models:
+            per_seed = [[x["loss"] for x in r["positions"]["buckets"]] for r in by_model[(study, m)]]
+            curves[m] = [sum(col) / len(col) for col in zip(*per_seed)]
+            lines.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in curves[m]) + " |")
+        png = plots / f"{study}.png"
+        if draw_length(png, curves, edges, train_length, by_model, study, models):
+            lines += ["", f"![{study}]({plots.name}/{png.name})"]
+        lines.append("")
+    mq = [c for c in cells if c.study == "mqar"]
+    if mq:
+        first = cell_result(out, mq[0])["task"]
+        lines += ["## Recall: multi-query associative recall (MQAR)", "",
+                  f"`data.source=mqar`: {first['num_pairs']} key-value pairs then {first['num_queries']} queries in "
+                  f"{first['seq_length'] + 1} tokens, {first['num_keys']} keys and {first['num_values']} values "
+                  f"(chance {1 / first['num_values']:.3f}); 2 layers; accuracy on the task's test split "
+                  f"({b['mqar_samples']:,} sequences); state: the decode state at the task's length (fp32 bytes).", "",
+                  "| model | mixer | layers | state bytes | parameters | accuracy | answer loss |", "|---|---|---|---|---|---|---|"]
+        points = {}
+        for m in dict.fromkeys(c.model for c in mq):
+            rs = by_model[("mqar", m)]
+            lines.append(f"| {m} | {rs[0]['mixer']} | {rs[0]['layer_pattern']} | {rs[0]['state_bytes_fp32']:,} | "
+                         f"{rs[0]['parameters']:,} | {spread([r['accuracy'] for r in rs])} | "
+                         f"{spread([r['answer_loss'] for r in rs])} |")
+            kind = m.rsplit("-d", 1)[0]
+            points.setdefault(kind, []).append((rs[0]["state_bytes_fp32"], [r["accuracy"] for r in rs]))
+        png = plots / "mqar.png"
+        if draw_mqar(png, points):
+            lines += ["", f"![mqar]({plots.name}/{png.name})"]
+        lines.append("")
+    lines += ["## Steps and their seconds", "", "| step | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.0f} |" for k, v in train_seconds.items()] + [""]
+    notes = report.parent / (report.stem + "-notes.md")
+    if notes.is_file():   # the analysis written by hand after a run: kept beside the generated part
+        lines += [notes.read_text()]
+    report.parent.mkdir(parents=True, exist_ok=True)
+    tmp = report.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, report)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
+
+
+def draw_length(path: Path, curves: dict, edges, train_length: int, by_model: dict, study: str, models) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in models:
+        factors = [float(f) for f in FACTORS]
+        per_seed = [[next(x["vs_1x"] for x in r["contexts"] if x["factor"] == f) for f in factors]
+                    for r in by_model[(study, m)]]
+        mean = [sum(col) / len(col) for col in zip(*per_seed)]
+        line, = a.plot(factors, mean, "o-", label=m)
+        a.fill_between(factors, [min(col) for col in zip(*per_seed)], [max(col) for col in zip(*per_seed)],
+                       color=line.get_color(), alpha=0.2)
+        b.plot([(s + e) / 2 / train_length for s, e in edges], curves[m], ".-", label=m)
+    a.set(xlabel="context (x training length)", ylabel="perplexity / perplexity at 1x (seeds: band)")
+    b.set(xlabel="position (x training length)", ylabel="loss at that position (nats, mean of seeds)")
+    for ax in (a, b):
+        ax.axvline(1.0, color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+    return True
+
+
+def draw_mqar(path: Path, points: dict) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, cells in points.items():
+        cells = sorted(cells)
+        xs = [x for x, _ in cells]
+        line, = ax.plot(xs, [sum(a) / len(a) for _, a in cells], "o-", label=kind)
+        for x, acc in cells:
+            ax.plot([x, x], [min(acc), max(acc)], color=line.get_color(), lw=1)
+    ax.set(xlabel="decode state at the task's length (bytes, fp32)", ylabel="MQAR accuracy (seeds: bars)",
+           xscale="log", ylim=(-0.02, 1.02))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------- the cube study (replication-cube.md)
+
+def cube_study(run: Run, args, py: str, tokenizer: Path, data: Path, val: Path, report: Path, command: str) -> None:
+    steps = max(1, args.tokens // (16 * 256))
     for name in args.models:
-        save = args.out / "runs" / name
+        save = args.out / "runs" / "cube" / name
 
         def train(name=name, save=save):
             items = [f"data.data_path=[{data}_text_document]", f"data.tokenizer={tokenizer}",
                      f"train.train_tokens={steps * 16 * 256}", f"train.save={save}", f"train.load={save}",
                      "seed=1234", *(["train.save_interval=10", "train.log_interval=5"] if args.smoke else []),
-                     *MODELS[name]]
+                     *CUBE_MODELS[name]]
             config = [a for c in CONFIGS for a in ("--config", str(c))]
-            run.call([py, "-m", "megatron_id.cli", "train", *config, *items], args.out / "logs" / f"{name}.log")
+            run.call([py, "-m", "megatron_id.cli", "train", *config, *items], args.out / "logs" / "cube" / f"{name}.log")
             latest = (save / "latest").read_text().strip()
             if latest != f"iter_{steps:07d}":
                 raise SystemExit(f"reproduce: error: {name} stopped at {latest} of {steps} steps (signalled?): "
                                  f"rerun to continue.")
             return {"steps": steps}
-        run.step(f"train:{name}", train)
-
-    checkpoints = [str(args.out / "runs" / n) for n in args.models]
+        run.step(f"train:cube/{name}", train)
+    checkpoints = [str(args.out / "runs" / "cube" / n) for n in args.models]
+    budget = (4096, 4096 * 4, 2) if args.smoke else (65536, 32768, 8)   # ppl tokens, sweep tokens, samples
 
     def evaluate(folder, evaluation, *options):
-        folder = args.out / "eval" / folder
+        folder = args.out / "eval" / "cube" / folder
         shutil.rmtree(folder, ignore_errors=True)   # ours: an interrupted eval starts again
         run.call([py, "-m", "megatron_id.cli", "eval", evaluation, "--checkpoint", *checkpoints,
                   "--name", *args.models, "--device", "cpu", "--out", folder, *options])
 
     sources = {"wikipedia-val": val, **{f.stem: f for f in args.extra}}
     for source, path in sources.items():
-        run.step(f"eval:perplexity:{source}", lambda path=path, source=source: evaluate(
+        run.step(f"eval:cube/perplexity:{source}", lambda path=path, source=source: evaluate(
             f"perplexity-{source}", "perplexity", "--text", path, "--max-tokens", str(budget[0])))
-    run.step("eval:length", lambda: evaluate("length", "length", "--text", val, "--max-tokens", str(budget[1])))
-    run.step("eval:recall", lambda: evaluate("recall", "recall", "--samples", str(budget[2]), "--seed", "1234"))
-    write_report(run, args, sources, " ".join(["python", "launch/reproduce.py", *(argv or sys.argv[1:])]))
-    log(f"report: {args.report}")
-    return 0
+    run.step("eval:cube/length", lambda: evaluate("length", "length", "--text", val, "--max-tokens", str(budget[1])))
+    run.step("eval:cube/recall", lambda: evaluate("recall", "recall", "--samples", str(budget[2]), "--seed", "1234"))
+    write_cube_report(run, args, sources, report, steps, command)
 
-
-# ---------------------------------------------------------------- the report
 
 PAPER = {   # ../shared/docs/paper-results.md
     "cube_125m": {"interdomain": 16.48, "softmax": 16.65, "single-input": 16.94, "s4d-only": 19.22,
                   "no-query-readout": 20.18},
-    "length_1p3b": {"softmax": (12.79, 20.54, 55.92), "interdomain": (14.36, 14.14, 14.26),
-                    "s4d-only": (27.24, 26.89, 26.75)},
     "needle_1p3b": {"softmax": "99.5 / 100 / 89 / 0", "interdomain": "65.5 / 28 / 9.5 / 3.5", "s4d-only": "0"},
 }
 
 
 def _load(out: Path, folder: str) -> dict:
-    return {r["name"]: r for r in json.loads((out / "eval" / folder / "results.json").read_text())["results"]}
+    return {r["name"]: r for r in json.loads((out / "eval" / "cube" / folder / "results.json").read_text())["results"]}
 
 
 def verdict(ok: bool | None) -> str:
     return "n/a (model not run)" if ok is None else ("**holds**" if ok else "**does not hold**")
 
 
-def write_report(run: Run, args, sources: dict, command: str) -> None:
+def write_cube_report(run: Run, args, sources: dict, report: Path, steps: int, command: str) -> None:
     out, names = args.out, args.models
     ppl = {source: _load(out, f"perplexity-{source}") for source in sources}
     length, recall = _load(out, "length"), _load(out, "recall")
     val = ppl["wikipedia-val"]
-    plots = args.report.parent / (args.report.stem + "-plots")
+    plots = report.parent / (report.stem + "-plots")
     plots.mkdir(parents=True, exist_ok=True)
     for folder, name in (("length", "length.png"), ("recall", "recall.png"), ("perplexity-wikipedia-val", "val.png")):
-        shutil.copy(out / "eval" / folder / "results.png", plots / name)
+        if (out / "eval" / "cube" / folder / "results.png").is_file():
+            shutil.copy(out / "eval" / "cube" / folder / "results.png", plots / name)
 
     def get(table, name, key="perplexity"):
         return table[name][key] if name in table else None
@@ -246,19 +656,19 @@ def write_report(run: Run, args, sources: dict, command: str) -> None:
         return sum(c[key] for c in cells) / len(cells)
 
     lines = []
-    seconds = sum(v["seconds"] for k, v in run.state.items() if isinstance(v, dict) and "seconds" in v)
-    lines += ["# Replication at CPU scale", "",
-              "Generated by `launch/reproduce.py`; every number below comes from its `megatron-id eval` results "
-              f"(`{out}/eval/*/results.json`).", "",
+    seconds = sum(v["seconds"] for k, v in run.state.items() if k.split(":", 1)[-1].startswith(("cube/", "tokenizer",
+                                                                                                 "preprocess")))
+    lines += ["# Replication at CPU scale: the first study (the cube, one seed)", "",
+              "Generated by `launch/reproduce.py --study cube`; every number below comes from its `megatron-id eval` "
+              f"results (`{out}/eval/cube/*/results.json`). The claims over seeds: [replication.md](replication.md).", "",
               f"- command: `{command}`",
               f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
               f"torch {__import__('torch').__version__}, {platform.platform()}",
               f"- time: {seconds / 60:.1f} minutes in all (steps below; a resumed run adds its parts)",
-              f"- per model: {run.state['settings']['tokens']:,} training tokens ({train_steps(args)} steps of 16 x 256)",
-              ""]
+              f"- per model: {args.tokens:,} training tokens ({steps} steps of 16 x 256)", ""]
     lines += ["| step | seconds |", "|---|---|"] + [f"| {k} | {v['seconds']:.0f} |" for k, v in run.state.items()
-                                                     if isinstance(v, dict) and "seconds" in v]
-    # orderings
+                                                     if isinstance(v, dict) and "seconds" in v and
+                                                     (k.startswith(("tokenizer", "preprocess")) or "cube/" in k)]
     i, s4, nq, si = (get(val, n) for n in ("interdomain", "s4d-only", "no-query-readout", "single-input"))
     o1 = None if None in (i, s4) else i < s4
     o2 = None if None in (i, nq, si) else (nq - i) > (si - i)
@@ -280,7 +690,6 @@ def write_report(run: Run, args, sources: dict, command: str) -> None:
               f"{fmt(cs, 3)} > {fmt(ci, 3)} > {fmt(cd, 3)} | {verdict(o4)} |",
               f"| the same, graded: the answers' loss (nats/token, mean over every recall cell) softmax < "
               f"interdomain < S4D-only | {fmt(ls, 3)} < {fmt(li, 3)} < {fmt(ld, 3)} | {verdict(o5)} |", ""]
-    # tables
     head = ["model"] + list(sources)
     lines += ["## Perplexity", "", "Held-out Wikipedia articles (the training distribution) and other sources; "
               f"at most {ppl['wikipedia-val'][names[0]]['tokens']:,} tokens each, windows of 256.", "",
@@ -299,18 +708,18 @@ def write_report(run: Run, args, sources: dict, command: str) -> None:
         lines.append(f"| {n} | " + " | ".join(fmt(c["perplexity"]) for c in length[n]["contexts"]) +
                      f" | {fmt(ratio(n, 3.5), 3)} |")
     lines += ["", "Paper (1.3B, trained at 4K; 4K / 8K / 14K): " + "; ".join(
-        f"{k} {' / '.join(map(str, v))}" for k, v in PAPER["length_1p3b"].items()), "",
+        f"{k} {' / '.join(map(str, v))}" for k, v in PAPER_LENGTH.items()), "",
         f"![length]({plots.name}/length.png)", "", "## Recall", ""]
-    lines += [(args.out / "eval" / "recall" / "results.md").read_text(), "",
+    lines += [(out / "eval" / "cube" / "recall" / "results.md").read_text(), "",
               "Paper (1.3B, RULER single needle at 1K/2K/4K/8K): " + "; ".join(
                   f"{k} {v}" for k, v in PAPER["needle_1p3b"].items()), "", f"![recall]({plots.name}/recall.png)", ""]
-    notes = args.report.parent / (args.report.stem + "-notes.md")
+    notes = report.parent / (report.stem + "-notes.md")
     if notes.is_file():   # the analysis written by hand after a run: kept beside the generated part
         lines += [notes.read_text()]
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.report.with_suffix(".tmp")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    tmp = report.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, args.report)
+    os.replace(tmp, report)
 
 
 if __name__ == "__main__":

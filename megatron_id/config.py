@@ -103,9 +103,29 @@ class Precision(str, Enum):
     fp32 = "fp32"
 
 
+class DataSource(str, Enum):
+    """Where training samples come from."""
+    gpt = "gpt"     # preprocessed indexed datasets (data.data_path), Megatron's GPT dataset
+    mqar = "mqar"   # generated multi-query associative recall sequences (data/mqar.py, data.mqar)
+
+
+@dataclass
+class MQARDataConfig:
+    """data.source=mqar (Zoology's synthetic recall task; data/mqar.py): each sequence opens with
+    num_pairs key-value pairs and asks num_queries of the keys again later; the loss counts the
+    answers only. Ids: 0 filler, 1..num_keys keys, then num_values values (model.vocab_size must
+    hold them). Samples depend on the seed, the split and their index only."""
+    num_pairs: int = 8
+    num_queries: int = 8
+    num_keys: int = 64
+    num_values: int = 64
+
+
 @dataclass
 class DataConfig:
     """Megatron's --data-path / --split. data_path: [prefix] or [w1, p1, w2, p2, ...]."""
+    source: DataSource = DataSource.gpt
+    mqar: MQARDataConfig = field(default_factory=MQARDataConfig)
     data_path: list[str] = field(default_factory=list)
     split: str = "969,30,1"
     index_cache_dir: Optional[str] = None   # None: <folder of the first prefix>/index-cache

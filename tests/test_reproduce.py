@@ -37,35 +37,47 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     corpus = slice_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "launch" / "reproduce.py"), "--smoke", "--corpus", str(corpus),
+               "--study", "length", "mqar", "cube", "--models", "interdomain",
                "--extra", str(ROOT / "tests" / "data" / "tinyshakespeare-200k.txt"), "--out", str(out)]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     deadline = time.time() + 600
-    latest = out / "runs" / "interdomain" / "latest"
+    latest = out / "runs" / "length" / "interdomain-seed1" / "latest"
     while not latest.exists() and first.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     assert latest.exists(), first.communicate()[0][-3000:]
-    os.killpg(first.pid, signal.SIGTERM)   # as a scheduler stops a job: the trainer saves and stops
+    os.killpg(first.pid, signal.SIGTERM)   # as a scheduler stops a job: the trainers save and stop
     output = first.communicate(timeout=300)[0]
     assert first.returncode != 0 and "to continue from here" in output, output[-3000:]
     stopped = latest.read_text().strip()
-    assert stopped != "iter_0000024", "the kill came too late to test a resume"
+    assert stopped != "iter_0000008", "the kill came too late to test a resume"
     state = json.loads((out / "state.json").read_text())
-    assert "train:softmax" in state and "train:interdomain" not in state
+    assert "train:length/interdomain-seed1" not in state and "eval:length/softmax-seed1" not in state
 
     second = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-    assert "train:softmax ..." not in second.stdout and "tokenizer ..." not in second.stdout   # not redone
-    assert latest.read_text().strip() == "iter_0000024"
-    log = (out / "logs" / "interdomain.log").read_text()
+    assert "tokenizer ..." not in second.stdout   # not redone
+    assert latest.read_text().strip() == "iter_0000008"
+    log = (out / "logs" / "length" / "interdomain-seed1.log").read_text()
     # the first attempt stopped early (saving), the second loaded that checkpoint and finished
-    assert f"stopped at step {int(stopped[5:])} of 24 (SIGTERM)" in log and log.count("finished at step 24;") == 1
-    assert f"steps {int(stopped[5:]) + 1}-24 |" in log, log[-3000:]   # the second attempt's header
+    assert f"stopped at step {int(stopped[5:])} of 8 (SIGTERM)" in log and log.count("finished at step 8;") == 1
+    assert f"steps {int(stopped[5:]) + 1}-8 |" in log, log[-3000:]   # the second attempt's header
+    state = json.loads((out / "state.json").read_text())
+    cells = [f"{m}-seed{s}" for m in ("softmax", "interdomain") for s in (1, 2)]
+    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d32-seed{s}" for m in ("softmax", "interdomain")
+                                                  for s in (1, 2)} <= set(state)
     report = (out / "replication.md").read_text()
-    for part in ("## The orderings", "| softmax |", "| interdomain |", "## Length extrapolation", "## Recall",
+    for part in ("## The orderings", "| interdomain flat to 3.5x (context 256) |", "## Length extrapolation",
+                 "| interdomain |", "## Recall: multi-query associative recall", "| softmax-d32 | softmax | AA |",
                  "python launch/reproduce.py --smoke"):
         assert part in report, part
+    # a row's spread is its seeds' own results
+    ratios = [json.loads((out / "eval" / "length" / c / "results.json").read_text())["results"][0]["contexts"][3]["vs_1x"]
+              for c in ("interdomain-seed1", "interdomain-seed2")]
+    row = next(line for line in report.splitlines() if line.startswith("| interdomain flat to 3.5x"))
+    assert f"{sum(ratios) / 2:.3f} [{min(ratios):.3f}, {max(ratios):.3f}]x" in row, row
     assert (out / "replication-plots" / "length.png").stat().st_size > 10_000
-    state = json.loads((out / "state.json").read_text())
-    assert {"eval:length", "eval:recall", "eval:perplexity:wikipedia-val",
-            "eval:perplexity:tinyshakespeare-200k"} <= set(state)
+    assert (out / "replication-plots" / "mqar.png").stat().st_size > 10_000
+    cube = (out / "replication-cube.md").read_text()
+    assert "## Length extrapolation (held-out Wikipedia, trained at 256)" in cube and "| interdomain |" in cube
+    assert {"eval:cube/length", "eval:cube/recall", "eval:cube/perplexity:tinyshakespeare-200k"} <= set(state)

@@ -246,6 +246,37 @@ def run_recall(trained, args) -> dict:
     return out
 
 
+def run_mqar(source, args) -> dict:
+    """Accuracy and the answers' loss on sequences of the MQAR task's test split (never seen in
+    training: the trainer reads the train and valid splits), with the checkpoint's task settings
+    unless options change them; and the model's decode state for the task's length."""
+    import dataclasses
+    from ..checkpoint.read import read_checkpoint
+    from ..data.mqar import MQARTask, score
+    from ..model.accounting import report
+    from ..model.language_model import LanguageModel
+    folder, client, cfg, weights = read_checkpoint(source)
+    data = client.data or {}
+    if data.get("source") != "mqar":
+        raise EvalError(f"{folder} was not trained with data.source=mqar (its data: "
+                        f"{data.get('data_path') or 'not recorded'}): `eval mqar` scores the generated task; "
+                        f"for a model of text use `eval recall --task mqar`.")
+    settings = {**data["mqar"], **{k: getattr(args, k) for k in ("num_pairs", "num_queries", "num_keys", "num_values")
+                                   if getattr(args, k) is not None}}
+    task = MQARTask(args.seq_length or cfg.seq_length, **settings)
+    task.check(cfg.vocab_size)
+    model = LanguageModel(cfg, seed=None)
+    model.load_state_dict(weights, strict=True)
+    model.eval().to(args.device)
+    seed = data["seed"] if args.seed is None else args.seed
+    result = score(model, task, seed, args.samples, args.batch_size, args.device)
+    counts = report(cfg)
+    state = counts.decode_state(task.seq_length)
+    return {**result, "seed": seed, "task": dataclasses.asdict(task), "mixer": str(getattr(cfg.mixer, "value", cfg.mixer)),
+            "layer_pattern": counts.layer_pattern, "state_numbers": state, "state_bytes_fp32": 4 * state,
+            "parameters": counts.parameters}
+
+
 # ---------------------------------------------------------------- reports
 
 def _md_table(header, rows) -> str:
@@ -270,6 +301,12 @@ def markdown(evaluation: str, results: list[dict]) -> str:
         text = "perplexity by context (x the training length)\n\n" + _md_table(head, rows)
         rel = [(r["name"], r["train_length"], *[_f(c["vs_1x"], 3) for c in r["contexts"]]) for r in results]
         return text + "\n\nrelative to 1x\n\n" + _md_table(head, rel)
+    if evaluation == "mqar":
+        rows = [(r["name"], r["mixer"], r["layer_pattern"], f"{r['state_bytes_fp32']:,}", r["task"]["num_pairs"],
+                 r["answers"], _f(r["accuracy"], 3), _f(r["chance"], 3), _f(r["answer_loss"], 3)) for r in results]
+        return "MQAR accuracy (the task's test split; state: the decode state at the task's length, fp32)\n\n" + \
+            _md_table(["model", "mixer", "layers", "state bytes", "pairs", "answers", "accuracy", "chance",
+                       "answer loss"], rows)
     parts = []
     if "passkey" in results[0]:
         cells = results[0]["passkey"]
@@ -311,6 +348,12 @@ def write_csv(path: Path, evaluation: str, results: list[dict]) -> None:
                     w.writerow([r["name"], "context", c["factor"], c["context"], c["tokens"], c["loss"], c["perplexity"]])
                 for b in r["positions"]["buckets"]:
                     w.writerow([r["name"], "position", b["start"], b["end"], "", b["loss"], b["perplexity"]])
+        elif evaluation == "mqar":
+            w.writerow(["model", "mixer", "layers", "state_bytes_fp32", "pairs", "answers", "accuracy", "chance",
+                        "answer_loss"])
+            for r in results:
+                w.writerow([r["name"], r["mixer"], r["layer_pattern"], r["state_bytes_fp32"], r["task"]["num_pairs"],
+                            r["answers"], r["accuracy"], r["chance"], r["answer_loss"]])
         else:
             w.writerow(["model", "task", "length", "depth_or_pairs", "accuracy", "answer_loss"])
             for r in results:
@@ -327,7 +370,14 @@ def write_png(path: Path, evaluation: str, results: list[dict]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    if evaluation == "perplexity":
+    if evaluation == "mqar":   # Zoology's figure 2: accuracy against the state's size
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        for mixer in sorted({r["mixer"] for r in results}):
+            mine = sorted((r for r in results if r["mixer"] == mixer), key=lambda r: r["state_bytes_fp32"])
+            ax.plot([r["state_bytes_fp32"] for r in mine], [r["accuracy"] for r in mine], "o-", label=mixer)
+        ax.set(xlabel="decode state (bytes, fp32)", ylabel="accuracy", xscale="log", ylim=(-0.02, 1.02))
+        ax.legend(fontsize=8)
+    elif evaluation == "perplexity":
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.bar([r["name"] for r in results], [r["perplexity"] for r in results])
         ax.set_ylabel("perplexity")
@@ -461,6 +511,16 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=1234)
 
 
+    p = kinds.add_parser("mqar", allow_abbrev=False,
+                         help="accuracy on the generated MQAR task of models trained with data.source=mqar")
+    common(p)
+    p.add_argument("--samples", type=int, default=1000, help="sequences scored (default 1000)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the task's seed (default: the checkpoint's; sequences come from its test split)")
+    for key in ("pairs", "queries", "keys", "values"):
+        p.add_argument(f"--num-{key}", type=int, default=None, help=f"data.mqar.num_{key} (default: the checkpoint's)")
+    p.add_argument("--seq-length", type=int, default=None, help="the sequence length (default: the model's)")
+
     p = kinds.add_parser("lm-eval-tasks", allow_abbrev=False,
                          help="write local lm-evaluation-harness tasks (last word, rolling perplexity) from text")
     p.add_argument("--text", nargs="+", required=True, help=".txt or .jsonl(.gz/.zst) files")
@@ -509,6 +569,11 @@ def check_args(args) -> None:
                   ("--bucket", args.bucket, args.bucket > 0, "more than 0")]
         rules += [("--factors", f, f > 0, "more than 0 (multiples of the training context, e.g. 1 2 4)")
                   for f in args.factors]
+    elif args.evaluation == "mqar":
+        rules += [("--samples", args.samples, args.samples >= 1, "at least 1")]
+        rules += [(f"--{k.replace('_', '-')}", v, v is None or v >= 1, "at least 1") for k, v in (
+            ("num_pairs", args.num_pairs), ("num_queries", args.num_queries), ("num_keys", args.num_keys),
+            ("num_values", args.num_values), ("seq_length", args.seq_length))]
     else:
         rules += [("--samples", args.samples, args.samples >= 1, "at least 1")]
         rules += [("--depths", d, 0 <= d <= 1, "from 0 to 1 (a fraction of the context)") for d in args.depths]
@@ -538,6 +603,10 @@ def command(args) -> int:
                           f"{Path(c).parent.name}/{Path(c).name}" for c in args.checkpoint]
     results = []
     for name, source in zip(names, args.checkpoint):
+        if args.evaluation == "mqar":   # generated data: no tokenizer
+            results.append({"name": name, "checkpoint": str(source), **run_mqar(source, args)})
+            print(f"eval {args.evaluation}: {name} done", file=sys.stderr)
+            continue
         trained = load_trained(source, args.tokenizer, args.allow_tokenizer_mismatch)
         trained.model.to(args.device)
         bytes_of = np.asarray(token_bytes(trained.tokenizer), dtype=np.int64)

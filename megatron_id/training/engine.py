@@ -30,6 +30,7 @@ the run with the ranks that stopped responding named (distributed.Heartbeat).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import sys
@@ -40,20 +41,21 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, DataSource
 from ..checkpoint import engine_io
 from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, remove_stale_staging, rng_state,
                                 set_rng_state, step_of)
 from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
 from ..checkpoint.integrity import CheckpointError
 from ..errors import UserError
+from ..data.mqar import MQARDataset, MQARTask, check_mqar_run
 from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, check_valid_set, parse_data_path
 from ..parallel import state, vocab_parallel_cross_entropy
 from ..parallel.tensor_parallel import parallel_model
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
 from ..parallel.pipeline import pipeline_model
 from ..parallel.fused_cross_entropy import lm_head_loss
-from .agreement import check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
+from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
 from .documents import DocumentOptions, document_index, masked_mean
 from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
                           local_device_index, skip_deepspeed_shm_build, uses_cuda)
@@ -129,6 +131,8 @@ class Trainer:
                                            self.layout.context)
         self.pipelined = self.layout.pipe > 1
         self.documents = DocumentOptions.from_config(cfg.data)   # packed documents (off by default)
+        self.mqar = (MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size)
+                     if cfg.data.source == DataSource.mqar else None)
         if self.pipelined:   # DeepSpeed's PipelineEngine; its mpu is the module's own grid
             model, mpu = pipeline_model(
                 cfg.model, state.get_topology(), self.tp_group, seed=cfg.seed,
@@ -181,13 +185,17 @@ class Trainer:
         checkpoint folders) and the lock on train.save. Returns the checkpoint root to resume
         from and the identity of the data's tokenizer (training/agreement.py)."""
         t, d, m = self.cfg.train, self.cfg.data, self.cfg.model
-        if not d.data_path:
-            raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
-                              "(data.data_path=[data/my_corpus_text_document]).")
-        check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
-        for name, path in d.valid_sets.items():   # held-out sets: present, long enough, ids in the vocabulary
-            check_valid_set(name, path, m.seq_length, m.vocab_size)
-        tokenizer = run_tokenizer(self.cfg)   # the blend, data.tokenizer and model.vocab_size agree
+        if d.source == DataSource.mqar:   # generated: no files, no tokenizer
+            check_mqar_run(self.cfg, self.layout)
+            tokenizer = RunTokenizer(None, None, None)
+        else:
+            if not d.data_path:
+                raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
+                                  "(data.data_path=[data/my_corpus_text_document]).")
+            check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
+            for name, path in d.valid_sets.items():   # held-out sets: present, long enough, ids in the vocabulary
+                check_valid_set(name, path, m.seq_length, m.vocab_size)
+            tokenizer = run_tokenizer(self.cfg)   # the blend, data.tokenizer and model.vocab_size agree
         if not uses_cuda():   # the OOM killer ends a CPU run over the host's memory without a word
             check_host_memory(self.cfg, self.layout, run_estimate_gib(self.cfg, self.layout, on_gpu=False))
         DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
@@ -232,6 +240,12 @@ class Trainer:
 
     def _datasets(self):
         d = self.cfg.data   # checked by _preflight
+        if d.source == DataSource.mqar:   # generated; its validation split is another random stream
+            evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
+            n_valid = evals * self.cfg.train.eval_iters * self.layout.global_batch_size
+            self.valid_data = MQARDataset(self.mqar, n_valid, self.cfg.seed, "valid") if n_valid else None
+            self.valid_sets = {}
+            return MQARDataset(self.mqar, self.layout.train_iters * self.layout.global_batch_size, self.cfg.seed)
         cache = d.index_cache_dir or str(Path(parse_data_path(d.data_path)[0][1]).parent / "index-cache")
         n_train = self.layout.train_iters * self.layout.global_batch_size
         evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
@@ -246,6 +260,8 @@ class Trainer:
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, labels = batch[:, :-1], batch[:, 1:]
         extra, mask = self.documents.model_inputs(inputs), self.documents.loss_mask(inputs)
+        if self.mqar is not None:   # only the answers count
+            mask = self.mqar.answer_mask(inputs) if mask is None else mask * self.mqar.answer_mask(inputs)
         if self.context is not None:   # this rank's block of every tensor (documents found on the whole sample)
             inputs, labels = split_sequence(inputs, self.context), split_sequence(labels, self.context)
             extra = {k: split_sequence(v, self.context) for k, v in extra.items()}
@@ -548,7 +564,8 @@ class Trainer:
                 "eval_interval": self.cfg.train.eval_interval, "train_iters": self.layout.train_iters,
                 "global_batch_size": self.layout.global_batch_size,
                 "index_cache_dir": d.index_cache_dir,
-                "valid_sets": {name: [str(x) for x in path] for name, path in d.valid_sets.items()}}
+                "valid_sets": {name: [str(x) for x in path] for name, path in d.valid_sets.items()},
+                "source": d.source.value, **({"mqar": dataclasses.asdict(d.mqar)} if d.source == DataSource.mqar else {})}
 
     def load_checkpoint(self, root) -> None:
         """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py)."""
