@@ -64,11 +64,11 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     assert f"steps {int(stopped[5:]) + 1}-8 |" in log, log[-3000:]   # the second attempt's header
     state = json.loads((out / "state.json").read_text())
     cells = [f"{m}-seed{s}" for m in ("softmax", "interdomain") for s in (1, 2)]
-    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d32-seed{s}" for m in ("softmax", "interdomain")
+    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d64-seed{s}" for m in ("softmax", "interdomain")
                                                   for s in (1, 2)} <= set(state)
     report = (out / "replication.md").read_text()
     for part in ("## The orderings", "| interdomain flat to 3.5x (context 256) |", "## Length extrapolation",
-                 "| interdomain |", "## Recall: multi-query associative recall", "| softmax-d32 | softmax | AA |",
+                 "| interdomain |", "## Recall: multi-query associative recall", "| softmax-d64 | softmax | AA |",
                  "python launch/reproduce.py --smoke"):
         assert part in report, part
     # a row's spread is its seeds' own results
@@ -81,3 +81,24 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     cube = (out / "replication-cube.md").read_text()
     assert "## Length extrapolation (held-out Wikipedia, trained at 256)" in cube and "| interdomain |" in cube
     assert {"eval:cube/length", "eval:cube/recall", "eval:cube/perplexity:tinyshakespeare-200k"} <= set(state)
+
+
+def _reproduce_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("reproduce", ROOT / "launch" / "reproduce.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["reproduce"] = module   # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_verdicts_claim_nothing_the_seeds_do_not_support():
+    r = _reproduce_module()
+    assert r.spread([1.0, 2.0, 4.0]) == "2.333 [1.000, 4.000]" and r.spread([0.5]) == "0.500" and r.spread([]) == "-"
+    assert r.below([1.0, 1.1], [1.2, 1.5]).startswith("**holds**")
+    assert r.below([1.3, 1.6], [1.0, 1.2]).startswith("**does not hold**")
+    assert r.below([1.0, 1.3], [1.2, 1.5]).startswith("**tie**")          # ranges overlap: no ordering
+    assert r.below([], [1.0]).startswith("n/a")
+    assert r.within([1.01, 1.04], 0, 1.05).startswith("**holds**")
+    assert r.within([1.2, 1.3], 0, 1.05).startswith("**does not hold**")
+    assert r.within([1.01, 1.3], 0, 1.05).startswith("**mixed**")
