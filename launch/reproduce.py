@@ -50,7 +50,7 @@ PAPER_DT, SCALED_DT = [], ["model.dt_min=0.0156", "model.dt_max=0.5"]   # the sc
 FACTORS = ("0.5", "1", "2", "3.5", "4")
 MQAR_CONTEXT = 32     # configs/replication/mqar.yaml's sequences
 TASK_LEARNED = 0.9   # MQAR accuracy the best model must reach for an ordering to mean anything
-CONTEXT_USE = 0.05   # nats: below it a model barely reads its context (see write_studies_report)
+CONTEXT_USE = 0.01   # nats gained from the far half of the context; below it "flat past 1x" tests nothing
 
 # the cube study (docs/replication-cube.md): name -> overrides
 CUBE_MODELS = {
@@ -403,24 +403,21 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
                 for r in by_model.get((study, model), [])]
 
     def context_use(study, model):
-        """Nats the loss falls from the first quarter of the training length to the last quarter
-        inside it (the 4x windows' position buckets): how much the model reads its context."""
+        """Nats the mean loss falls from windows of half the training length to windows of the
+        whole (the same tokens, cut two ways): what the second half of the context is worth."""
         out = []
         for r in by_model.get((study, model), []):
-            buckets, n = r["positions"]["buckets"], r["train_length"]
-            first = next(x for x in buckets if x["start"] == 0)
-            last = next(x for x in buckets if x["end"] == n)
-            out.append(first["loss"] - last["loss"])
+            loss = {x["factor"]: x["loss"] for x in r["contexts"]}
+            out.append(loss[0.5] - loss[1.0])
         return out
 
-    def testable(study, *models):
-        """An extrapolation claim needs models that read their context: a loss that falls by at least
-        CONTEXT_USE nats inside the training length, every seed."""
-        return all(v >= CONTEXT_USE for m in models for v in context_use(study, m))
-
     def judged(verdict, study, *models):
-        return verdict if testable(study, *models) else (
-            f"**not testable** (a model's loss falls < {CONTEXT_USE} nats inside its context: it barely reads it)")
+        """A model that gains (almost) nothing from the far half of its context stays flat past it
+        whatever its state does: a claim that it stays flat is then not a test."""
+        if all(v >= CONTEXT_USE for m in models for v in context_use(study, m)):
+            return verdict
+        return (f"**not testable** (a model gains < {CONTEXT_USE} nats from the second half of its context: "
+                "flat past 1x says nothing)")
 
     def accuracy(model):
         return [r["accuracy"] for r in by_model.get(("mqar", model), [])]
@@ -450,9 +447,9 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
             (f"interdomain flat to 3.5x (context {b['context']:,})", "14K/4K: 0.99x", spread(ri) + "x",
              judged(within(ri, 0, 1.05), L, "interdomain")),
             (f"softmax (RoPE) rises > 30% at 3.5x (context {b['context']:,})", "14K/4K: 4.37x", spread(rs) + "x",
-             judged(within(rs, 1.30, float("inf")), L, "softmax")),
+             within(rs, 1.30, float("inf"))),
             ("interdomain's 3.5x / 1x below softmax's", "0.99x < 4.37x", f"{spread(ri)}x vs {spread(rs)}x",
-             judged(below(ri, rs), L, "interdomain", "softmax")),
+             below(ri, rs)),
             (f"S4D-only flat to 3.5x (context {b['context']:,})", "14K/4K: 0.98x", spread(rd) + "x",
              judged(within(rd, 0, 1.05), L, "s4d-only")),
             ("interdomain perplexity at 1x below S4D-only's", "14.36 vs 27.24",
@@ -464,7 +461,7 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
             ri, rs = ratios(S, f"interdomain-{shape}"), ratios(S, f"softmax-{shape}")
             rows.append((f"at 256, {shape.replace('dh', 'd_h ')}: interdomain's 3.5x / 1x below softmax's",
                          "0.99x < 4.37x (at 4K)", f"{spread(ri)}x vs {spread(rs)}x",
-                         judged(below(ri, rs), S, f"interdomain-{shape}", f"softmax-{shape}")))
+                         below(ri, rs)))
         for shape in ("dh32", "dh64"):
             rows.append((f"at 256, {shape.replace('dh', 'd_h ')}, Delta scaled to the context: interdomain flat "
                          "to 3.5x", "-", spread(ratios(S, f"interdomain-{shape}-dtscaled")) + "x",
@@ -473,7 +470,7 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
         a, c64 = ratios(S, "interdomain-dh32"), ratios(S, "interdomain-dh64")
         rows.append(("at 256 (the paper's Delta range): d_h 64 extrapolates better than d_h 32 (not a paper claim; "
                      "the question issue 29 asks)", "-", f"{spread(c64)}x vs {spread(a)}x",
-                     judged(below(c64, a), S, "interdomain-dh32", "interdomain-dh64")))
+                     below(c64, a)))
     if any(c.study == "mqar" for c in cells):
         for width in args.widths:
             acc = {m: accuracy(f"{m}-d{width}") for m in MIXERS}
@@ -511,9 +508,10 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
         for m in models:
             lines.append(f"| {m} | {spread(ppl(study, m), 2)} | {spread(context_use(study, m))} | " +
                          " | ".join(spread(ratios(study, m, f)) for f in FACTORS) + " |")
-        lines += ["", f"Context use: how much the loss falls from the first quarter of the training length to the "
-                  f"last quarter inside it. Below {CONTEXT_USE} nats a model barely reads its context, and a flat "
-                  "curve past 1x then says nothing about extrapolation: its claims are marked not testable."]
+        lines += ["", f"Context use: how much the mean loss falls from windows of 0.5x to windows of 1x the training "
+                  f"length on the same tokens. Below {CONTEXT_USE} nats a model gains almost nothing from the far half "
+                  "of its context, and its staying flat past 1x is then no test of its state (those claims are marked "
+                  "not testable); softmax's rise is positional and stays a test."]
         lines += ["", "By position in the longest (4x) windows: loss (nats) per quarter of the training length, "
                   "mean over seeds; a flat row past 1x is extrapolation.", ""]
         first = by_model[(study, models[0])][0]["positions"]
