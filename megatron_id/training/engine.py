@@ -240,16 +240,14 @@ class Trainer:
 
     def _datasets(self):
         d = self.cfg.data   # checked by _preflight
-        if d.source == DataSource.mqar:   # generated; its validation split is another random stream
-            evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
-            n_valid = evals * self.cfg.train.eval_iters * self.layout.global_batch_size
-            self.valid_data = MQARDataset(self.mqar, n_valid, self.cfg.seed, "valid") if n_valid else None
-            self.valid_sets = {}
-            return MQARDataset(self.mqar, self.layout.train_iters * self.layout.global_batch_size, self.cfg.seed)
-        cache = d.index_cache_dir or str(Path(parse_data_path(d.data_path)[0][1]).parent / "index-cache")
         n_train = self.layout.train_iters * self.layout.global_batch_size
         evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
         n_valid = evals * self.cfg.train.eval_iters * self.layout.global_batch_size
+        if d.source == DataSource.mqar:   # generated; its validation split is another random stream
+            self.valid_data = MQARDataset(self.mqar, n_valid, self.cfg.seed, "valid") if n_valid else None
+            self.valid_sets = {}
+            return MQARDataset(self.mqar, n_train, self.cfg.seed)
+        cache = d.index_cache_dir or str(Path(parse_data_path(d.data_path)[0][1]).parent / "index-cache")
         train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
                                                        self.cfg.model.seq_length, self.cfg.seed, cache)
         # each named set read whole (its own "valid" split of 100%), as many samples as the split's
