@@ -310,6 +310,13 @@ def main(argv=None) -> int:
     for f in args.extra:
         if not f.is_file():
             raise SystemExit(f"reproduce: error: --extra {f} not found.")
+    cells = study_cells(args)   # a --cells that matches nothing is refused before any work
+    if args.cells:
+        import fnmatch
+        cells = [c for c in cells if any(fnmatch.fnmatch(c.key, pattern) for pattern in args.cells)]
+        if not cells:
+            raise SystemExit(f"reproduce: error: --cells {' '.join(args.cells)} matches no cell of --study "
+                             f"{' '.join(args.study)} (cells are named like length/softmax-seed1).")
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args)
     settings = {"tokens": args.tokens, "smoke": args.smoke, "long_tokens": args.long_tokens,
@@ -332,13 +339,6 @@ def main(argv=None) -> int:
         run.step("preprocess", lambda: run.call([py, "-m", "data_tools.preprocess", "--input", shard, "--tokenizer",
                                                  tokenizer, "--output-prefix", data, "--append-eod", "--workers", "2",
                                                  "--no-progress", "--overwrite"]))
-    cells = study_cells(args)
-    if args.cells:
-        import fnmatch
-        cells = [c for c in cells if any(fnmatch.fnmatch(c.key, pattern) for pattern in args.cells)]
-        if not cells:
-            raise SystemExit(f"reproduce: error: --cells {' '.join(args.cells)} matches no cell of --study "
-                             f"{' '.join(args.study)} (cells are named like length/softmax-seed1).")
     run.parallel([(f"train:{c.key}", lambda c=c: train_cell(run, args, c, data, tokenizer)) for c in cells])
     run.parallel([(f"eval:{c.key}", lambda c=c: eval_cell(run, args, c, val)) for c in cells])
     if cells:
