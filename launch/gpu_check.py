@@ -217,8 +217,8 @@ def cmd_compare(args) -> int:
     return 1 if failed else 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="step", required=True)
     for name in ("kernel", "decode", "attention"):
         s = sub.add_parser(name)
@@ -231,7 +231,11 @@ def main(argv=None) -> int:
     s.add_argument("reference")
     s.add_argument("others", nargs="+")
     s.add_argument("--rtol", type=float, default=1e-4)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return {"kernel": cmd_kernel, "decode": cmd_decode, "attention": cmd_attention, "losses": cmd_losses,
             "compare": cmd_compare}[args.step](args)
 

@@ -261,8 +261,9 @@ def cell_result(out: Path, cell: Cell) -> dict:
 
 # ---------------------------------------------------------------- main
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python launch/reproduce.py", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "data" / "corpus")
     p.add_argument("--extra", nargs="*", type=Path, default=None, help="cube: other sources (.txt files)")
     p.add_argument("--out", type=Path, required=True, help="working folder (created; reused to resume)")
@@ -283,7 +284,11 @@ def main(argv=None) -> int:
     p.add_argument("--report", type=Path, default=None,
                    help="default: docs/replication.md (cube: docs/replication-cube.md; smoke: in --out)")
     p.add_argument("--smoke", action="store_true", help="tiny budgets, two models per study: checks the pipeline")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     for option, value, least in (("--seeds", args.seeds, 1), ("--jobs", args.jobs, 1),
                                  ("--long-tokens", args.long_tokens, 4096), ("--short-tokens", args.short_tokens, 4096),
                                  ("--mqar-steps", args.mqar_steps, 1), ("--tokens", args.tokens, 4096),

@@ -27,15 +27,15 @@ from .errors import UserError
 
 
 class Mixer(str, Enum):
-    interdomain = "interdomain"
-    softmax = "softmax"
-    s4d = "s4d"
+    interdomain = "interdomain"   # the paper's: S4D state over keys and values, read by each query
+    softmax = "softmax"           # causal softmax attention with RoPE (the baseline)
+    s4d = "s4d"                   # S4D-only: interdomain without its two ingredients (the control)
     hybrid = "hybrid"   # more than one kind of layer: model.layer_pattern says which (model/pattern.py)
 
 
 class Readout(str, Enum):
-    hermitian = "hermitian"
-    plain = "plain"
+    hermitian = "hermitian"   # conj(xi(q) . U) Gamma: a Parseval inner product of the coefficients
+    plain = "plain"           # without the conjugate (the ablation)
 
 
 class CoreImpl(str, Enum):
@@ -48,38 +48,38 @@ class CoreImpl(str, Enum):
 
 @dataclass
 class ModelConfig:
-    mixer: Mixer = Mixer.interdomain
+    mixer: Mixer = Mixer.interdomain  # the sequence mixer of every layer (model.layer_pattern mixes them)
     # one letter per layer, I interdomain / S S4D-only / A softmax / W sliding-window softmax, |
     # a pipeline-stage boundary (model/pattern.py). None: model.mixer's letter on every layer.
     # Given, it decides the mixers and model.mixer becomes the one it uses, or hybrid
     layer_pattern: Optional[str] = None
     window: Optional[int] = None      # tokens a W layer's query sees (itself included)
-    vocab_size: int = 32000
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
+    vocab_size: int = 32000           # the tokenizer's; padded for TP (make_vocab_size_divisible_by)
+    d_model: int = 768                # width of the residual stream
+    n_layers: int = 12                # blocks (mixer + SwiGLU), pre-norm
+    n_heads: int = 12                 # heads of every mixer; head width d_model / n_heads
     seq_length: int = 4096            # training context; the model itself has no length limit
     ffn_hidden: Optional[int] = None  # None: ceil((8 d / 3) / ffn_multiple_of) * ffn_multiple_of
-    ffn_multiple_of: int = 128
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    rope_theta: float = 10000.0
+    ffn_multiple_of: int = 128        # the SwiGLU hidden width is rounded up to a multiple of it
+    norm_eps: float = 1e-6            # RMSNorm's epsilon
+    init_std: float = 0.02            # N(0, std) weights; residual output projections std/sqrt(2L)
+    rope_theta: float = 10000.0       # RoPE's base
     # interdomain / S4D core
     state_size: int = 64              # M, basis functions (modes) per head
     conv_kernel: int = 4              # short causal depthwise conv
     chunk_size: int = 64              # T of the chunked training form
-    core_impl: CoreImpl = CoreImpl.auto
+    core_impl: CoreImpl = CoreImpl.auto   # how the core is computed in training (same function)
     # Delta's initial range, log-uniform per head (the paper's 1e-3..1e-1). With A's real part
     # at -1/2, the slowest mode forgets over ~2/dt_min tokens (2,000 at the paper's value, half
     # its 4K context); a run at a much shorter context may scale it (docs/replication.md)
     dt_min: float = 1e-3
-    dt_max: float = 1e-1
+    dt_max: float = 1e-1              # the upper end of Delta's initial range
     # the ablation cube; None means "the mixer's default" (MIXER_DEFAULTS)
-    query_readout: Optional[bool] = None
-    dual_kv_input: Optional[bool] = None
-    rope: Optional[bool] = None
-    readout: Readout = Readout.hermitian
-    output_gate: bool = False
+    query_readout: Optional[bool] = None   # queries read the state through a feature map (off: a contraction)
+    dual_kv_input: Optional[bool] = None   # keys and values from their own projections (interdomain)
+    rope: Optional[bool] = None       # RoPE on queries and keys
+    readout: Readout = Readout.hermitian   # how complex key and value coefficients meet
+    output_gate: bool = False         # o <- o * SiLU(x W_g) before W_O (off in the paper)
     # the LM head reuses the input embedding matrix [our choice: off, as in the paper's counts]
     tie_embeddings: bool = False
     # tensor parallelism pads the vocabulary to a multiple of this x TP (Megatron's rule); the
@@ -90,9 +90,9 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     """Megatron's names. Data parallelism is what is left: world = TP x CP x PP x DP."""
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
+    tensor_model_parallel_size: int = 1    # ranks that split every layer's heads and SwiGLU columns
+    pipeline_model_parallel_size: int = 1  # stages the layers are split into (DeepSpeed's PipelineModule)
+    sequence_parallel: bool = False         # with TP: norms and residuals split over tokens (Megatron's)
     # one sequence split into this many contiguous blocks, one per rank (parallel/context_parallel.py;
     # Megatron's --context-parallel-size); model.seq_length must divide by it
     context_parallel_size: int = 1
@@ -115,21 +115,21 @@ class MQARDataConfig:
     num_pairs key-value pairs and asks num_queries of the keys again later; the loss counts the
     answers only. Ids: 0 filler, 1..num_keys keys, then num_values values (model.vocab_size must
     hold them). Samples depend on the seed, the split and their index only."""
-    num_pairs: int = 8
+    num_pairs: int = 8                 # key-value pairs at the start of each sequence
     # fewer queries than pairs [our choice]: with every key asked, the last answer is the one value
     # not yet answered, a shortcut a small softmax model learns instead of recall (configs/replication/mqar.yaml)
     num_queries: int = 4
-    num_keys: int = 64
-    num_values: int = 64
+    num_keys: int = 64                 # distinct key ids
+    num_values: int = 64               # distinct value ids (chance: 1 / num_values)
 
 
 @dataclass
 class DataConfig:
     """Megatron's --data-path / --split. data_path: [prefix] or [w1, p1, w2, p2, ...]."""
-    source: DataSource = DataSource.gpt
+    source: DataSource = DataSource.gpt     # where training samples come from
     mqar: MQARDataConfig = field(default_factory=MQARDataConfig)
-    data_path: list[str] = field(default_factory=list)
-    split: str = "969,30,1"
+    data_path: list[str] = field(default_factory=list)   # [prefix] or [w1, p1, w2, p2, ...] (data_tools' output)
+    split: str = "969,30,1"                 # train,valid,test weights of every dataset
     index_cache_dir: Optional[str] = None   # None: <folder of the first prefix>/index-cache
     tokenizer: Optional[str] = None          # the data's tokenizer.json: recorded in checkpoints for export
     # train on data (or resume a checkpoint) of different tokenizers on purpose; otherwise the
@@ -161,20 +161,20 @@ DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 @dataclass
 class OptimizerConfig:
     """AdamW with the paper's recipe (section 6 of the spec; betas of Gu & Dao 2024)."""
-    lr: float = 3e-3
-    min_lr: float = 1e-5
-    warmup_tokens: int = 375_000_000
-    schedule: Schedule = Schedule.cosine
+    lr: float = 3e-3                  # peak learning rate, reached after warmup
+    min_lr: float = 1e-5              # where the decay ends
+    warmup_tokens: int = 375_000_000  # linear warmup from 0, in tokens
+    schedule: Schedule = Schedule.cosine   # the learning rate after warmup
     # wsd: the decay takes the last decay_fraction of train.train_tokens, shaped linear, cosine or
     # 1-sqrt [our choice: 0.2 and 1-sqrt, the cooldown Hagele et al. 2024 found to match cosine;
     # Megatron-LM's --lr-wsd-decay-style has no default to follow]
     decay_fraction: float = 0.2
-    decay_shape: str = "1-sqrt"
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    decay_shape: str = "1-sqrt"        # wsd: the decay's shape
+    weight_decay: float = 0.1         # AdamW's decoupled decay of matrices and embeddings
+    adam_beta1: float = 0.9           # AdamW's first-moment decay
+    adam_beta2: float = 0.95          # AdamW's second-moment decay
+    adam_eps: float = 1e-8            # AdamW's epsilon
+    clip_grad: float = 1.0            # global gradient-norm clip (0: off)
     ssm_lr_max: float = 1e-3      # the SSM group runs at min(scheduled LR, this), no weight decay
 
 
@@ -188,12 +188,12 @@ class WandbMode(str, Enum):
 class WandbConfig:
     """Weights & Biases tracking from rank 0 (training/metrics.py); off while project is None.
     The run id is kept in every checkpoint, so a resumed or requeued job continues the same run."""
-    project: Optional[str] = None
-    entity: Optional[str] = None
-    name: Optional[str] = None
-    group: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
-    mode: WandbMode = WandbMode.online
+    project: Optional[str] = None      # wandb's project; None: no tracking
+    entity: Optional[str] = None       # team or user; None: wandb's default
+    name: Optional[str] = None         # the run's display name
+    group: Optional[str] = None        # groups runs (e.g. a scaling grid)
+    tags: list[str] = field(default_factory=list)   # the run's tags
+    mode: WandbMode = WandbMode.online  # upload now, later, or not at all
     dir: Optional[str] = None          # where wandb keeps its files; None: wandb's own default (./wandb)
 
 
@@ -202,21 +202,21 @@ class ProfileConfig:
     """A torch.profiler window (training/profiling.py): steps start_step .. start_step+steps-1 on
     the given ranks, a Chrome/TensorBoard trace per rank under dir; on CUDA also a memory
     snapshot (torch.cuda.memory._dump_snapshot). Off while dir is None."""
-    dir: Optional[str] = None
+    dir: Optional[str] = None          # traces go here; None: no profiling
     start_step: int = 3                # after warm-up steps (allocations, compilation)
-    steps: int = 2
-    ranks: list[int] = field(default_factory=lambda: [0])
+    steps: int = 2                     # steps traced
+    ranks: list[int] = field(default_factory=lambda: [0])   # global ranks that trace
     memory_snapshot: bool = True       # CUDA only
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 1
-    global_batch_size: int = 128
-    train_tokens: int = 2_500_000_000
-    precision: Precision = Precision.bf16
+    micro_batch_size: int = 1         # sequences per rank per forward
+    global_batch_size: int = 128      # sequences per step (micro x accumulation x DP)
+    train_tokens: int = 2_500_000_000  # the run's length; steps = ceil(tokens / (global batch x seq))
+    precision: Precision = Precision.bf16   # bf16 mixed precision (fp32 master weights) or fp32
     zero_stage: int = 1               # 0-3; 2 and 3 with pipeline parallel size 1 only (parallel/layout.py)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False   # recompute each block in backward (less memory)
     # the LM head and the vocab-parallel loss fused and chunked over tokens, so a micro-batch's
     # [tokens, vocabulary] logits never exist (parallel/fused_cross_entropy.py; Liger-Kernel's
     # fused linear cross entropy); not with train.zero_stage=3 [our choice: off until timed on a
@@ -230,10 +230,10 @@ class TrainConfig:
     # only to float rounding, and on that CPU it gained 0-14% (benchmarks/training.py --compile)
     # but lost ~20% while other processes shared the cores]
     compile: bool = False
-    log_interval: int = 10
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    save_interval: int = 1000
+    log_interval: int = 10            # steps between log lines and scalars
+    eval_interval: int = 1000         # steps between validations
+    eval_iters: int = 10              # global batches per validation (0: none)
+    save_interval: int = 1000         # steps between checkpoints (and one at the end)
     save: Optional[str] = None        # checkpoint folder
     load: Optional[str] = None        # checkpoint folder to resume from
     load_optimizer: bool = True       # false: weights only, Adam starts afresh
@@ -242,10 +242,10 @@ class TrainConfig:
     # layout; costs 3 x fp32 parameters of disk per checkpoint, written by one rank per stage
     # [our choice: off; `megatron-id convert-checkpoint` adds optim/ offline when a layout changes]
     reshardable_optimizer: bool = False
-    keep_last: int = 3
-    tensorboard_dir: Optional[str] = None
+    keep_last: int = 3                # checkpoints kept in train.save (0: all)
+    tensorboard_dir: Optional[str] = None   # TensorBoard event files (rank 0); None: off
     peak_tflops: float = 989.0        # per device, for MFU (H100 SXM dense bf16)
-    max_nonfinite_in_a_row: int = 5
+    max_nonfinite_in_a_row: int = 5   # stop after this many skipped non-finite steps in a row (0: never)
     # every collective's timeout: a hung rank ends the job after this long instead of stalling
     # it. 10 as Megatron's --distributed-timeout-minutes: rank 0 alone builds the data index
     # while the others wait (about 2 s per 100M tokens, so ~9 min for the paper's 26B)
@@ -278,7 +278,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 42
+    seed: int = 42                    # initialisation, the data order and MQAR's generated samples
 
 
 # s4d is the interdomain mixer with both ingredients removed; the paper's S4D-only control has

@@ -282,7 +282,7 @@ def submit(rows: list[dict], chain: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--dry-run", action="store_true", help="print the cells and commands; submit nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the cells as JSON")
@@ -302,7 +302,11 @@ def parse_args(argv):
                    help="each cell runs in <runs-dir>/<cell> (checkpoints under it); default runs/scaling")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="extra",
                    help="an override for every cell, e.g. data.data_path=/data/fw_text_document (repeat)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -261,7 +261,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-id kernel-resources", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", action="append", default=[], metavar="YAML",
                    help="model config (repeat for several); default: every configs/model/*.yaml")
@@ -277,7 +277,11 @@ def main(argv=None) -> int:
     p.add_argument("--column-block", type=int, default=None, metavar="N",
                    help="what if: key and value columns in blocks of N (a power of two >= 16) instead of "
                         "triton_chunked.COLUMN_BLOCK")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     from ...config import load_config
     from ...errors import UserError
     from . import triton_chunked
