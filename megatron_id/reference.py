@@ -33,7 +33,7 @@ PAGES = {"config": ROOT / "docs" / "reference" / "config.md", "cli": ROOT / "doc
 # the peer has none). "(inverse)": the peer's switch means the opposite. Checked by tests/test_docs.py
 # to name schema keys only.
 PEER_FLAGS = {
-    "model.layer_pattern": ("--hybrid-override-pattern", "attention_config"),
+    "model.layer_pattern": ("--hybrid-layer-pattern", "attention_config"),
     "model.window": ("--window-size", "sliding_window_width"),
     "model.vocab_size": ("--vocab-size", "-"),
     "model.d_model": ("--hidden-size", "hidden_size"),

@@ -107,4 +107,4 @@ def test_relative_links_and_anchors_resolve():
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and file.suffix == ".md" and anchor not in _heading_ids(file.read_text()):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
-    assert broken == []
+    assert not broken, "broken links:\n" + "\n".join(broken)
