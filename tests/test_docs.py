@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from megatron_id import reference
@@ -108,3 +113,103 @@ def test_relative_links_and_anchors_resolve():
             elif anchor and file.suffix == ".md" and anchor not in _heading_ids(file.read_text()):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+# ---------------------------------------------------------------- examples in the docs
+# A shell block preceded by `<!-- test: parse -->` has every command parsed by its own parser (and
+# every config file and key=value override loaded and validated), without running it: for
+# commands that need a GPU, a cluster or data a test does not have. `<!-- test: run -->` blocks
+# run, in that order, in a copy of the repository's tracked files.
+
+EXAMPLE = re.compile(r"<!-- test: (run|parse) -->\n```bash\n(.*?)```", re.S)
+
+
+def _examples(kind):
+    found = []
+    for page in _pages():
+        for mark, block in EXAMPLE.findall(page.read_text()):
+            if mark == kind:
+                found.append((page.relative_to(ROOT), block))
+    return found
+
+
+def _command_lines(block: str) -> list[list[str]]:
+    joined = re.sub(r"\\\n", " ", block)
+    return [argv for argv in (shlex.split(line, comments=True) for line in joined.splitlines()) if argv]
+
+
+def _parse_command(argv: list[str]) -> None:
+    """Parse one documented command line as its program would; raise AssertionError naming it."""
+    from data_tools import inspect as data_inspect, merge, preprocess, train_tokenizer
+    from megatron_id.cli import _parse_with_overrides_anywhere, build_parser
+    from megatron_id.config import load_config
+    from megatron_id.ops.interdomain.resources import build_parser as resources_parser
+    line = " ".join(argv)
+    while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):   # VAR=value prefixes
+        argv = argv[1:]
+    if argv[0] in ("torchrun", "deepspeed"):   # the launcher's own options, up to the module
+        argv = ["python", *argv[argv.index("-m"):]]
+    if argv[:3] == ["python", "-m", "megatron_id.cli"]:
+        argv = ["megatron-id", *argv[3:]]
+    data_tools = {"data_tools.preprocess": preprocess, "data_tools.inspect": data_inspect,
+                  "data_tools.merge": merge, "data_tools.train_tokenizer": train_tokenizer}
+    try:
+        if argv[0] == "megatron-id" and argv[1] == "preprocess":
+            preprocess.build_parser().parse_args(argv[2:])
+        elif argv[0] == "megatron-id" and argv[1] == "kernel-resources":
+            resources_parser().parse_args(argv[2:])
+        elif argv[0] == "megatron-id":
+            args = _parse_with_overrides_anywhere(build_parser(), argv[1:])
+            if hasattr(args, "overrides"):
+                load_config([ROOT / c for c in args.config], args.overrides)
+        elif argv[:2] == ["python", "-m"] and argv[2] in data_tools:
+            data_tools[argv[2]].build_parser().parse_args(argv[3:])
+        elif argv[0] == "python" and argv[1].endswith(".py"):
+            script = reference._load_script(ROOT / argv[1])
+            if hasattr(script, "split_command_line"):   # preprocess_submit: its options -- preprocess's -- inputs
+                options, flags, inputs = script.split_command_line(argv[2:])
+                script.build_parser().parse_args(options)
+                preprocess.build_parser().parse_args([*flags, "--input", *inputs, "--output-prefix", "x"])
+            else:
+                script.build_parser().parse_args(argv[2:])
+        else:
+            raise AssertionError(f"no parser known for `{line}`: mark the block `run` or not at all")
+    except SystemExit as stop:   # argparse's exit on a bad flag
+        raise AssertionError(f"`{line}` does not parse (exit {stop.code})") from None
+
+
+def test_documented_commands_parse():
+    examples = _examples("parse")
+    assert len(examples) >= 10
+    for page, block in examples:
+        for argv in _command_lines(block):
+            try:
+                _parse_command(argv)
+            except Exception as err:
+                raise AssertionError(f"{page}: {err}") from None
+
+
+def test_parse_check_catches_a_wrong_flag_and_a_wrong_key():
+    with pytest.raises(AssertionError, match="does not parse"):
+        _parse_command(["megatron-id", "export-hf", "--checkpoint", "a", "--outptu", "b"])
+    with pytest.raises(Exception, match="n_layer"):
+        _parse_command(["megatron-id", "params", "--config", "configs/model/tiny.yaml", "model.n_layer=3"])
+
+
+@pytest.mark.slow
+def test_documented_examples_run(tmp_path):
+    """The `run` blocks (the README's commands by hand: preprocess, train on 2 processes, export,
+    generate), in a copy of the tracked files, as a user would paste them."""
+    from test_quickstart import tracked_copy
+    examples = _examples("run")
+    assert examples, "no `<!-- test: run -->` block in the docs"
+    clone = tmp_path / "clone"
+    tracked_copy(clone)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"   # megatron-id, torchrun
+    for page, block in examples:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, f"{page}:\n{block}\n{(done.stdout + done.stderr)[-4000:]}"
+    assert (clone / "runs" / "tiny" / "hf" / "model.safetensors").is_file()
+    assert "The water cycle" in done.stdout
