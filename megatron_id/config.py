@@ -64,8 +64,7 @@ class ModelConfig:
     norm_eps: float = 1e-6            # RMSNorm's epsilon
     init_std: float = 0.02            # N(0, std) weights; residual output projections std/sqrt(2L)
     rope_theta: float = 10000.0       # RoPE's base
-    # interdomain / S4D core
-    state_size: int = 64              # M, basis functions (modes) per head
+    state_size: int = 64              # M, basis functions (modes) per head of the interdomain / S4D core
     conv_kernel: int = 4              # short causal depthwise conv
     chunk_size: int = 64              # T of the chunked training form
     core_impl: CoreImpl = CoreImpl.auto   # how the core is computed in training (same function)
