@@ -276,8 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="length and shapes: tokens per step (default 2048: 2 x 1,024 or 8 x 256); steps, not "
                         "tokens, are what these small models are short of")
     p.add_argument("--mqar-steps", type=int, default=2500, help="mqar study: steps of 64 sequences (2,500)")
-    p.add_argument("--widths", nargs="+", type=int, default=[128],
-                   help="mqar study: d_model values (default 128, where softmax learns the task in every seed tried)")
+    p.add_argument("--widths", nargs="+", type=int, default=[64, 128], help="mqar study: d_model values (64 128)")
     p.add_argument("--cells", nargs="+", default=None, metavar="GLOB",
                    help="only the cells matching one of these (e.g. 'length/softmax-*'); the report shows those")
     p.add_argument("--tokens", type=int, default=3_000_000, help="cube: training tokens per model (default 3M)")
@@ -617,14 +616,20 @@ def draw_mqar(path: Path, points: dict) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind, cells in points.items():
+    for i, (kind, cells) in enumerate(points.items()):
         cells = sorted(cells)
-        xs = [x for x, _ in cells]
+        # mixers with equal states would hide each other: each drawn a little to the right of the last
+        dodge = 1.04 ** (i - (len(points) - 1) / 2)
+        xs = [x * dodge for x, _ in cells]
         line, = ax.plot(xs, [sum(a) / len(a) for _, a in cells], "o-", label=kind)
-        for x, acc in cells:
+        for x, (_, acc) in zip(xs, cells):
             ax.plot([x, x], [min(acc), max(acc)], color=line.get_color(), lw=1)
-    ax.set(xlabel="decode state at the task's length (bytes, fp32)", ylabel="MQAR accuracy (seeds: bars)",
+    ax.set(xlabel="decode state at the task's length (bytes, fp32; equal states drawn side by side)",
+           ylabel="MQAR accuracy (seeds: bars)",
            xscale="log", ylim=(-0.02, 1.02))
+    states = [x for cells in points.values() for x, _ in cells]
+    ax.set_xlim(min(states) / 2, max(states) * 2)   # one width alone would zoom onto the side-by-side offsets
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")

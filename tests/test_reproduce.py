@@ -64,11 +64,11 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     assert f"steps {int(stopped[5:]) + 1}-8 |" in log, log[-3000:]   # the second attempt's header
     state = json.loads((out / "state.json").read_text())
     cells = [f"{m}-seed{s}" for m in ("softmax", "interdomain") for s in (1, 2)]
-    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d128-seed{s}" for m in ("softmax", "interdomain")
+    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d64-seed{s}" for m in ("softmax", "interdomain")
                                                   for s in (1, 2)} <= set(state)
     report = (out / "replication.md").read_text()
     for part in ("## The orderings", "| interdomain flat to 3.5x (context 256) |", "## Length extrapolation",
-                 "| interdomain |", "## Recall: multi-query associative recall", "| softmax-d128 | softmax | AA |",
+                 "| interdomain |", "## Recall: multi-query associative recall", "| softmax-d64 | softmax | AA |",
                  "python launch/reproduce.py --smoke"):
         assert part in report, part
     # a row's spread is its seeds' own results
