@@ -301,6 +301,16 @@ def _subcommands(parser: argparse.ArgumentParser):
     return []
 
 
+def _portable(default) -> str:
+    """A default path inside (or beside) the checkout, written relative to it: the page must not
+    depend on where the repository was cloned."""
+    text = str(default)
+    for base, shown in ((ROOT, "."), (ROOT.parent, "..")):
+        if text.startswith(str(base) + "/"):
+            return shown + text[len(str(base)):]
+    return text
+
+
 def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
     rows = []
     for a in parser._actions:
@@ -319,7 +329,7 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
                 value = "the rest of the line"
         required = a.required and a.nargs not in ("*", "?", argparse.REMAINDER)   # argparse marks those too
         default = ("required" if required else "-" if a.default in (None, False, argparse.SUPPRESS)
-                   or a.nargs == 0 else f"`{a.default}`")
+                   or a.nargs == 0 else f"`{_portable(a.default)}`")
         help_text = (a.help or "").replace("%(default)s", str(a.default)).replace("%%", "%")
         rows.append(f"| {name} | {_cell(str(value))} | {_cell(default)} | {_cell(' '.join(help_text.split()))} |")
     return rows

@@ -34,6 +34,7 @@ def test_reference_pages_are_current():
         path = reference.PAGES[name]
         assert path.is_file(), f"{path} missing: run python -m megatron_id.reference"
         assert path.read_text() == text, f"{path} is out of date: run python -m megatron_id.reference"
+        assert str(ROOT) not in text, f"{path} names this checkout's own path: it would differ in every clone"
 
 
 def test_config_page_lists_every_schema_key_with_a_meaning():

@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training precision (train.precision) whose input dtypes to compile for")
     p.add_argument("--kernel", nargs="+", default=None, metavar="NAME",
                    help="only these kernels (names as in triton_chunked.KERNELS)")
-    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compiler processes")
+    p.add_argument("--jobs", type=int, default=None, help="compiler processes (default: the cores, at most 4)")
     p.add_argument("--json", metavar="FILE", help="also write every row as JSON (a new file)")
     p.add_argument("--column-block", type=int, default=None, metavar="N",
                    help="what if: key and value columns in blocks of N (a power of two >= 16) instead of "
@@ -282,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.jobs is None:   # decided here, not in the parser, so that --help and the docs do not depend on the machine
+        args.jobs = min(4, os.cpu_count() or 1)
     from ...config import load_config
     from ...errors import UserError
     from . import triton_chunked
