@@ -117,7 +117,7 @@ class Key:
     neox: str
 
 
-def _comments_by_field(source: str) -> dict[tuple[str, str], str]:
+def _comments_by_field(source: str, tree: ast.AST) -> dict[tuple[str, str], str]:
     """(class, field) -> the comment beside the field, after the comment lines right above it."""
     lines = source.splitlines()
     trailing = {}
@@ -125,7 +125,7 @@ def _comments_by_field(source: str) -> dict[tuple[str, str], str]:
         if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1][:tok.start[1]].strip():
             trailing[tok.start[0]] = tok.string.lstrip("#").strip()
     found = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if not isinstance(node, ast.ClassDef):
             continue
         for item in node.body:   # dataclass fields (name: type = ...) and enum members (name = ...)
@@ -158,10 +158,10 @@ def _render_fstring(node: ast.JoinedStr, namespace: dict) -> str:
     return re.sub(r"=\0", "", text).replace("\0", "...")
 
 
-def _rules(source: str, keys: set[str]) -> dict[str, list[str]]:
+def _rules(tree: ast.AST, keys: set[str]) -> dict[str, list[str]]:
     """The checks of config.py written as tuples (key, ..., "must ..."): key -> its rules."""
     rules: dict[str, list[str]] = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if not (isinstance(node, ast.Tuple) and len(node.elts) >= 3 and isinstance(node.elts[0], ast.Constant)
                 and isinstance(node.elts[0].value, str)):
             continue
@@ -197,14 +197,13 @@ def _shown(value) -> str:
         return str(value).lower()
     if isinstance(value, int):
         return f"{value:_}" if abs(value) >= 100_000 else str(value)
-    if isinstance(value, (list, dict)):
-        return str(value) if value else ("[]" if isinstance(value, list) else "{}")
     return str(value)
 
 
 def schema_keys() -> list[Key]:
     source = Path(config_module.__file__).read_text()
-    comments = _comments_by_field(source)
+    tree = ast.parse(source)
+    comments = _comments_by_field(source, tree)
     out: list[Key] = []
 
     def walk(cls, prefix):
@@ -224,7 +223,7 @@ def schema_keys() -> list[Key]:
                            megatron, neox))
 
     walk(config_module.Config, "")
-    rules = _rules(source, {k.name for k in out})
+    rules = _rules(tree, {k.name for k in out})
     for k in out:
         if k.name in rules:
             k.allowed = "<br>".join(filter(None, [k.allowed, *rules[k.name]]))
@@ -248,9 +247,9 @@ def config_page() -> str:
     sections = {}
     for k in keys:
         sections.setdefault(k.name.split(".")[0] if "." in k.name else "top level", []).append(k)
-    docs = {"model": config_module.ModelConfig, "parallel": config_module.ParallelConfig,
-            "data": config_module.DataConfig, "optimizer": config_module.OptimizerConfig,
-            "train": config_module.TrainConfig}
+    hints = typing.get_type_hints(config_module.Config, vars(config_module))
+    docs = {f.name: hints[f.name] for f in dataclasses.fields(config_module.Config)
+            if dataclasses.is_dataclass(hints[f.name])}
     for section, items in sections.items():
         lines += [f"## {section}", ""]
         doc = docs.get(section).__doc__ if section in docs else None
@@ -343,6 +342,9 @@ def cli_page() -> str:
              "[config.md](config.md) lists every key.", ""]
     toc, body = [], []
 
+    commands = parsers()
+    own_page = {title for title, _ in commands}
+
     def emit(title, parser, summary=None):
         anchor = re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")   # GitHub's heading ids
         toc.append(f"- [`{title}`](#{anchor})" + (f": {summary}" if summary else ""))
@@ -354,18 +356,11 @@ def cli_page() -> str:
         if rows:
             body.extend(["| flag | value | default | meaning |", "|---|---|---|---|", *rows, ""])
         for name, sub, help_text in _subcommands(parser):
-            emit(f"{title} {name}", sub, help_text)
+            if f"{title} {name}" not in own_page:   # preprocess, kernel-resources: their own parsers follow
+                emit(f"{title} {name}", sub, help_text)
 
-    for title, parser in parsers():
-        if title == "megatron-id":
-            body.extend(["## megatron-id", "", " ".join((parser.description or "").split()), "",
-                         "| flag | value | default | meaning |", "|---|---|---|---|", *_flag_rows(parser), ""])
-            toc.append("- [`megatron-id`](#megatron-id)")
-            for name, sub, help_text in _subcommands(parser):
-                if name not in ("preprocess", "kernel-resources"):   # their own parsers follow
-                    emit(f"megatron-id {name}", sub, help_text)
-        else:
-            emit(title, parser)
+    for title, parser in commands:
+        emit(title, parser)
     return "\n".join(lines + toc + [""] + body)
 
 

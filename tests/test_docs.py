@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shlex
@@ -139,12 +140,16 @@ def _command_lines(block: str) -> list[list[str]]:
     return [argv for argv in (shlex.split(line, comments=True) for line in joined.splitlines()) if argv]
 
 
+@functools.cache
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """How each command is typed -> its parser: the list the CLI reference is generated from."""
+    return dict(reference.parsers())
+
+
 def _parse_command(argv: list[str]) -> None:
     """Parse one documented command line as its program would; raise AssertionError naming it."""
-    from data_tools import inspect as data_inspect, merge, preprocess, train_tokenizer
-    from megatron_id.cli import _parse_with_overrides_anywhere, build_parser
+    from megatron_id.cli import _parse_with_overrides_anywhere
     from megatron_id.config import load_config
-    from megatron_id.ops.interdomain.resources import build_parser as resources_parser
     line = " ".join(argv)
     while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):   # VAR=value prefixes
         argv = argv[1:]
@@ -152,29 +157,25 @@ def _parse_command(argv: list[str]) -> None:
         argv = ["python", *argv[argv.index("-m"):]]
     if argv[:3] == ["python", "-m", "megatron_id.cli"]:
         argv = ["megatron-id", *argv[3:]]
-    data_tools = {"data_tools.preprocess": preprocess, "data_tools.inspect": data_inspect,
-                  "data_tools.merge": merge, "data_tools.train_tokenizer": train_tokenizer}
+    if argv[:3] == ["python", "-m", "data_tools.preprocess"]:   # = megatron-id preprocess
+        argv = ["megatron-id", "preprocess", *argv[3:]]
+    commands = _commands()
+    # the longest command that starts the line: `megatron-id preprocess` before `megatron-id`
+    title = max((t for t in commands if argv[:len(t.split())] == t.split()), key=len, default=None)
+    if title is None:
+        raise AssertionError(f"no parser known for `{line}`: mark the block `run` or not at all")
+    rest = argv[len(title.split()):]
     try:
-        if argv[0] == "megatron-id" and argv[1] == "preprocess":
-            preprocess.build_parser().parse_args(argv[2:])
-        elif argv[0] == "megatron-id" and argv[1] == "kernel-resources":
-            resources_parser().parse_args(argv[2:])
-        elif argv[0] == "megatron-id":
-            args = _parse_with_overrides_anywhere(build_parser(), argv[1:])
+        if title == "megatron-id":
+            args = _parse_with_overrides_anywhere(commands[title], rest)
             if hasattr(args, "overrides"):
                 load_config([ROOT / c for c in args.config], args.overrides)
-        elif argv[:2] == ["python", "-m"] and argv[2] in data_tools:
-            data_tools[argv[2]].build_parser().parse_args(argv[3:])
-        elif argv[0] == "python" and argv[1].endswith(".py"):
-            script = reference._load_script(ROOT / argv[1])
-            if hasattr(script, "split_command_line"):   # preprocess_submit: its options -- preprocess's -- inputs
-                options, flags, inputs = script.split_command_line(argv[2:])
-                script.build_parser().parse_args(options)
-                preprocess.build_parser().parse_args([*flags, "--input", *inputs, "--output-prefix", "x"])
-            else:
-                script.build_parser().parse_args(argv[2:])
+        elif title == "python launch/slurm/preprocess_submit.py":   # its options -- preprocess's -- inputs
+            options, flags, inputs = reference._load_script(ROOT / argv[1]).split_command_line(rest)
+            commands[title].parse_args(options)
+            commands["megatron-id preprocess"].parse_args([*flags, "--input", *inputs, "--output-prefix", "x"])
         else:
-            raise AssertionError(f"no parser known for `{line}`: mark the block `run` or not at all")
+            commands[title].parse_args(rest)
     except SystemExit as stop:   # argparse's exit on a bad flag
         raise AssertionError(f"`{line}` does not parse (exit {stop.code})") from None
 
