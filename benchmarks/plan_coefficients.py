@@ -1,6 +1,6 @@
 """How the activation coefficients of megatron_id/training/plan.py were obtained.
 
-    python benchmarks/plan_coefficients.py      (about a minute on 2 CPU cores)
+    python benchmarks/plan_coefficients.py [--mixers softmax interdomain s4d]   (about a minute on 2 CPU cores)
 
 For one block (norms, mixer, SwiGLU) at 11 small shapes, it counts the bytes of every tensor
 autograd saves for backward (torch.autograd.graph.saved_tensors_hooks; each storage once,
@@ -10,6 +10,8 @@ d so that the d and f terms can be told apart. Prints the coefficients and the w
 error of the fit; plan.py adds 4 bytes per token and channel for the block input.
 """
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import torch
@@ -46,12 +48,18 @@ def saved_bytes(mixer, d, H, N, T, M, B, f, autocast):
 
 
 def main():
+    parser = argparse.ArgumentParser(description="Fit plan.py's activation coefficients of each mixer.")
+    parser.add_argument("--mixers", nargs="+", default=["softmax", "interdomain", "s4d"],
+                        help="model.mixer values (default: softmax interdomain s4d); a mixer with "
+                             "no state tables (not interdomain / s4d) is fitted on the d and f terms")
+    args = parser.parse_args()
     for autocast in (False, True):
-        for mixer in ("softmax", "interdomain", "s4d"):
+        for mixer in args.mixers:
+            tables = mixer in ("interdomain", "s4d")
             rows, ys = [], []
             for d, H, N, T, M, B, f in SHAPES:
                 tokens = B * N
-                if mixer == "softmax":
+                if not tables:
                     rows.append([tokens * d, tokens * f])
                 else:
                     rows.append([tokens * d, tokens * f, tokens * H * M, tokens * d * M / T,
@@ -60,7 +68,7 @@ def main():
             A, y = np.array(rows, float), np.array(ys, float)
             coef, _ = nnls(A, y)
             err = np.max(np.abs(A @ coef - y) / y)
-            names = ["d", "f"] if mixer == "softmax" else ["d", "f", "hm", "chunk", "mm", "tm"]
+            names = ["d", "f"] if not tables else ["d", "f", "hm", "chunk", "mm", "tm"]
             print(f"{mixer:<12} bf16={autocast!s:<5} " +
                   " ".join(f"{n}={c:.1f}" for n, c in zip(names, coef)) + f"  max error {err:.1%}")
 

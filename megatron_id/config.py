@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import UserError
+from .model.pattern import LAYER_KINDS   # torch-free: the layer letters (model/__init__ imports lazily)
 
 
 class Mixer(str, Enum):
@@ -470,13 +471,14 @@ def resolve(cfg: Config, given=None) -> Config:
     return cfg
 
 
-PATTERN_LETTERS = {"I": Mixer.interdomain, "S": Mixer.s4d, "A": Mixer.softmax, "W": Mixer.softmax}
+PATTERN_LETTERS = {letter: Mixer(kind.mixer) for letter, kind in LAYER_KINDS.items()}
+LETTERS_SAID = ", ".join(f"{letter} ({kind.name})" for letter, kind in LAYER_KINDS.items())
 
 
 def _resolve_pattern(m: ModelConfig, given) -> None:
     """Check model.layer_pattern and model.window, and set model.mixer from the pattern: the one
     mixer it uses, or hybrid (model/pattern.py has the letters)."""
-    example = "e.g. model.layer_pattern=IIIAIIIAIIIA (I interdomain, S s4d, A softmax, W sliding-window softmax)"
+    example = f"e.g. model.layer_pattern=IIIAIIIAIIIA (letters: {LETTERS_SAID})"
     if m.layer_pattern is None:
         if m.mixer == Mixer.hybrid:
             raise ConfigError(f"model.mixer=hybrid needs model.layer_pattern, one letter per layer: {example}.")
@@ -489,8 +491,8 @@ def _resolve_pattern(m: ModelConfig, given) -> None:
     where = f"model.layer_pattern={m.layer_pattern!r}"
     wrong = sorted(set(pattern) - set(PATTERN_LETTERS) - {"|"})
     if wrong:
-        raise ConfigError(f"{where} has {', '.join(repr(c) for c in wrong)}: the letters are I (interdomain), "
-                          f"S (S4D-only), A (softmax), W (sliding-window softmax) and | (a pipeline-stage boundary).")
+        raise ConfigError(f"{where} has {', '.join(repr(c) for c in wrong)}: the letters are {LETTERS_SAID} "
+                          f"and | (a pipeline-stage boundary).")
     if not pattern.replace("|", "") or any(not part for part in pattern.split("|")):
         raise ConfigError(f"{where}: every pipeline stage needs at least one layer (no empty pattern, no "
                           f"leading, trailing or doubled |); {example}.")

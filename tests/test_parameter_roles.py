@@ -75,7 +75,7 @@ class MixerWithUninitialisedChild(InterdomainMixer):
 
 @pytest.mark.parametrize("device, seed", [("cpu", 0), ("meta", None)], ids=["initialised", "meta"])
 def test_an_undeclared_parameter_is_an_error_naming_it(monkeypatch, device, seed):
-    monkeypatch.setattr(mixers, "InterdomainMixer", MixerWithUndeclaredParameter)
+    monkeypatch.setitem(mixers.MIXERS, "interdomain", MixerWithUndeclaredParameter)
     with torch.device(device), pytest.raises(UndeclaredParameterError) as error:
         build(tiny(), seed)
     message = str(error.value)
@@ -86,7 +86,7 @@ def test_an_undeclared_parameter_is_an_error_naming_it(monkeypatch, device, seed
 
 
 def test_a_layer_without_a_split_names_the_owner_that_must_declare_it(monkeypatch):
-    monkeypatch.setattr(mixers, "InterdomainMixer", MixerWithUndeclaredLinear)
+    monkeypatch.setitem(mixers.MIXERS, "interdomain", MixerWithUndeclaredLinear)
     with pytest.raises(UndeclaredParameterError,
                        match=r"'layers\.0\.mixer\.x_proj\.weight' \(Linear 'weight'; 1 more like it\) has no "
                              r"declared split: "
@@ -95,7 +95,7 @@ def test_a_layer_without_a_split_names_the_owner_that_must_declare_it(monkeypatc
 
 
 def test_a_parameter_without_an_init_is_an_error_at_construction(monkeypatch):
-    monkeypatch.setattr(mixers, "InterdomainMixer", MixerWithUninitialisedChild)
+    monkeypatch.setitem(mixers.MIXERS, "interdomain", MixerWithUninitialisedChild)
     with torch.device("meta"), pytest.raises(
             UndeclaredParameterError,
             match=r"'layers\.0\.mixer\.scale\.gain' \(Gain 'gain'; 1 more like it\) has no declared init: "
@@ -121,7 +121,7 @@ class MixerWithSSMParameter(InterdomainMixer):
 
 
 def test_a_declared_ssm_parameter_joins_the_ssm_group(monkeypatch):
-    monkeypatch.setattr(mixers, "InterdomainMixer", MixerWithSSMParameter)
+    monkeypatch.setitem(mixers.MIXERS, "interdomain", MixerWithSSMParameter)
     cfg = tiny()
     model = build(cfg, 0)
     groups = {g["name"]: g for g in parameter_groups(model, cfg.optimizer)}
@@ -132,7 +132,7 @@ def test_a_declared_ssm_parameter_joins_the_ssm_group(monkeypatch):
 
 
 def test_a_declared_ssm_parameter_is_cut_with_the_heads_in_checkpoints(monkeypatch, fresh_role_cache):
-    monkeypatch.setattr(mixers, "InterdomainMixer", MixerWithSSMParameter)
+    monkeypatch.setitem(mixers.MIXERS, "interdomain", MixerWithSSMParameter)
     cfg = tiny().model
     full = LanguageModel(cfg, seed=0).state_dict()
     assert partition_dim("layers.0.mixer.extra", cfg) == 0
@@ -144,7 +144,7 @@ def test_a_declared_ssm_parameter_is_cut_with_the_heads_in_checkpoints(monkeypat
 
 
 def _extra_at_tp(rank, world):
-    mixers.InterdomainMixer = MixerWithSSMParameter   # this process only
+    mixers.MIXERS["interdomain"] = MixerWithSSMParameter   # this process only
     cfg = tiny().model
     model = parallelize(LanguageModel(cfg, seed=0), dist.group.WORLD)
     extra = model.layers[0].mixer.extra
@@ -153,7 +153,7 @@ def _extra_at_tp(rank, world):
 
 
 def test_a_declared_ssm_parameter_is_sharded_over_heads_by_parallelize(monkeypatch):
-    monkeypatch.setattr(mixers, "InterdomainMixer", MixerWithSSMParameter)
+    monkeypatch.setitem(mixers.MIXERS, "interdomain", MixerWithSSMParameter)
     full = build(tiny(), 0).layers[0].mixer.extra.detach()
     results = run_distributed(_extra_at_tp, 2, timeout=120)
     for rank, got in enumerate(results):

@@ -25,7 +25,6 @@ scored tokens stand for (the EOD stands for none).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gzip
 import io
@@ -38,7 +37,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..errors import UserError
 from .recall import mqar, mqar_correct, passkey, passkey_correct

@@ -13,10 +13,14 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
-# dependency order: each file only uses names defined above it
-MODULES = ["ops/segments.py", "ops/interdomain/ssm.py", "ops/interdomain/naive.py", "ops/interdomain/recurrent.py",
-           "ops/interdomain/chunked.py", "ops/interdomain/__init__.py", "ops/attention.py", "model/roles.py",
-           "model/layers.py", "model/init.py", "model/mixers/interdomain.py", "model/mixers/softmax.py",
+# dependency order: each file only uses names defined above it. Every mixer module
+# (model/mixers/*.py) goes in, by name, before the registry in model/mixers/__init__.py; a
+# mixer's own ops (files outside model/mixers/) are added to OPS.
+OPS = ["ops/segments.py", "ops/interdomain/ssm.py", "ops/interdomain/naive.py", "ops/interdomain/recurrent.py",
+       "ops/interdomain/chunked.py", "ops/interdomain/__init__.py", "ops/attention.py"]
+MIXER_MODULES = sorted(f"model/mixers/{path.name}" for path in (PACKAGE / "model" / "mixers").glob("*.py")
+                       if path.name != "__init__.py")
+MODULES = [*OPS, "model/roles.py", "model/layers.py", "model/init.py", *MIXER_MODULES,
            "model/mixers/__init__.py", "model/pattern.py", "model/language_model.py"]
 RELATIVE_IMPORT = re.compile(r"^from \.+[\w.]* import (\([^)]*\)|.*)$", re.M)
 

@@ -5,13 +5,14 @@ count multiply-adds as 2 FLOPs, per token, for the forward pass, and training = 
 (backward ~ 2 x forward). Conventions:
 - matmuls: 2 x every weight a token passes through (all blocks + lm_head; the embedding is a
   lookup); short convs 2 K d each; norms and elementwise work are not counted.
-- softmax core: 4 L d per layer for a context of L = seq_length (QK^T and AV over the full
-  context, no causal discount: the PaLM/Megatron MFU convention); a sliding-window layer's L
-  is min(seq_length, model.window).
+- the core of each mixer (what is not a projection or a conv) as its module declares it
+  (core_macs_per_token beside the mixer's code): softmax 4 L d per layer for a context of
+  L = seq_length (QK^T and AV over the full context, no causal discount: the PaLM/Megatron MFU
+  convention; a sliding-window layer's L is min(seq_length, model.window)); interdomain / s4d
+  the multiply-adds the chunked form executes (chunk T = chunk_size, including the masked upper
+  triangles of its T x T blocks; complex x real counts 2 real multiply-adds, complex x complex 4).
 - hybrids (model.layer_pattern): each layer counted as its own mixer.
-- interdomain / s4d core: the multiply-adds the chunked form executes (chunk T = chunk_size,
-  including the masked upper triangles of its T x T blocks); complex x real counts 2 real
-  multiply-adds, complex x complex 4.
+- the decode state: each mixer's decode_state_numbers (fixed, per token of context).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch
 from ..config import ModelConfig, ffn_hidden_size
 from .language_model import LanguageModel
 from .layers import Linear, ShortConv
-from .pattern import layer_config, layer_letters, layer_mixer, layer_window
+from .mixers import MIXERS, build_mixer
+from .pattern import layer_config, layer_letters, layer_mixer
 
 
 @dataclass
@@ -54,35 +56,15 @@ def count_parameters(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in build_on_meta(cfg).parameters())
 
 
-def interdomain_core_macs_per_token_per_head(cfg: ModelConfig) -> int:
-    T, M = cfg.chunk_size, cfg.state_size
-    R = Dv = cfg.d_model // cfg.n_heads
-    P = R + Dv
-    macs = 2 * M * P + 4 * M * P // T          # chunk's state contribution; carry (per chunk / T)
-    if cfg.query_readout:
-        macs += 2 * M * R + T * R + 2 * T * M  # p from the entering state; q.k scores; p within chunk
-        macs += 4 * M * M                      # r = p' G
-        macs += 2 * M * Dv + 2 * T * M + T * Dv  # o from the entering state; Re(W); W v
-    else:
-        macs += 2 * M * P + T * P              # Re(e^T X) from the entering state; S4D kernel
-    return macs
-
-
 def mixer_forward_flops_per_token(cfg: ModelConfig, context: int | None = None, layer: int = 0) -> int:
-    """Forward FLOPs per token of mixer layer `layer` (projections, convs, core), same
-    conventions. `context` is the softmax context length (default seq_length; a W layer's
-    is at most its window)."""
-    from .mixers import build_mixer
+    """Forward FLOPs per token of mixer layer `layer`: its projections and convs, plus the core
+    its module declares (core_macs_per_token), same conventions. `context` is the context a
+    token attends over (default seq_length; attention counts it, a fixed state does not)."""
     kind, layer_cfg = layer_mixer(cfg, layer), layer_config(cfg, layer)
     with torch.device("meta"):
         mixer = build_mixer(layer_cfg, residual_std=cfg.init_std, kind=kind)
     macs = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, (Linear, ShortConv)))
-    if kind == "softmax":
-        seen = context or cfg.seq_length
-        window = layer_window(cfg, layer)
-        macs += 2 * (seen if window is None else min(seen, window)) * cfg.d_model
-    else:
-        macs += cfg.n_heads * interdomain_core_macs_per_token_per_head(layer_cfg)
+    macs += type(mixer).core_macs_per_token(layer_cfg, context or cfg.seq_length)
     return 2 * macs
 
 
@@ -106,11 +88,13 @@ def report(cfg: ModelConfig) -> ModelReport:
         if letter not in per_kind:
             per_kind[letter] = mixer_forward_flops_per_token(cfg, layer=i)
     flops = 2 * ffn_and_head + sum(per_kind[c] for c in letters)
+    fixed = per_token = 0
+    for i in range(len(letters)):
+        layer_fixed, layer_per_token = MIXERS[layer_mixer(cfg, i)].decode_state_numbers(layer_config(cfg, i))
+        fixed, per_token = fixed + layer_fixed, per_token + layer_per_token
+    # the two per-layer figures `megatron-id params` prints
     state = H * 2 * (2 * (d // H)) * cfg.state_size if set(letters) & set("IS") else None
     kv = 2 * d if set(letters) & set("AW") else None
-    fixed = letters.count("I") * (state or 0) + letters.count("S") * (state or 0)
-    if "W" in letters:
-        fixed += letters.count("W") * 2 * d * cfg.window
     return ModelReport(n_params, n_params - n_embed, state, kv, flops, 3 * flops,
-                       fixed_state=fixed, decode_state_per_token=letters.count("A") * 2 * d,
+                       fixed_state=fixed, decode_state_per_token=per_token,
                        layer_pattern=letters)

@@ -23,16 +23,32 @@ configs by copying.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
-LAYER_MIXERS = {"I": "interdomain", "S": "s4d", "A": "softmax", "W": "softmax"}
-LETTER_OF_MIXER = {"interdomain": "I", "s4d": "S", "softmax": "A"}
-STAGE_MARK = "|"
-# a layer's switches by letter, in a hybrid (a uniform model keeps the model's own config)
-FIXED_SWITCHES = {
-    "S": dict(query_readout=False, dual_kv_input=False, rope=False, output_gate=False, window=None),
-    "A": dict(query_readout=None, dual_kv_input=None, rope=True, output_gate=False, window=None),
-    "W": dict(query_readout=None, dual_kv_input=None, rope=True, output_gate=False),
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One letter of model.layer_pattern."""
+    mixer: str                  # the model.mixer value whose module runs it (model/mixers MIXERS)
+    name: str                   # what reports call it
+    switches: dict | None       # its layer's config in a hybrid: these keys replaced; None: the model's own
+
+
+# the one table of layer letters: config.py's pattern check, the model build, the reports and
+# the HF export all read it (docs/adding-a-mixer.md adds a letter here)
+LAYER_KINDS = {
+    "I": LayerKind("interdomain", "interdomain", None),   # the cube switches apply to these layers
+    "S": LayerKind("s4d", "s4d", dict(query_readout=False, dual_kv_input=False, rope=False, output_gate=False,
+                                      window=None)),
+    "A": LayerKind("softmax", "softmax", dict(query_readout=None, dual_kv_input=None, rope=True,
+                                              output_gate=False, window=None)),
+    "W": LayerKind("softmax", "sliding-window softmax", dict(query_readout=None, dual_kv_input=None, rope=True,
+                                                             output_gate=False)),
 }
+LAYER_MIXERS = {letter: kind.mixer for letter, kind in LAYER_KINDS.items()}
+# a uniform model's letter: its mixer's first letter (A, not W)
+LETTER_OF_MIXER = {kind.mixer: letter for letter, kind in reversed(LAYER_KINDS.items())}
+STAGE_MARK = "|"
 
 
 def _value(x):
@@ -64,17 +80,17 @@ def layer_config(cfg, index: int):
     """The config layer `index`'s mixer is built from: the model's own for a uniform model, a
     copy with the letter's switches for the S, A and W layers of a hybrid (the I layers keep
     the model's cube switches)."""
-    letter = layer_letters(cfg)[index]
-    if not is_hybrid(cfg) or letter == "I":
+    switches = LAYER_KINDS[layer_letters(cfg)[index]].switches
+    if not is_hybrid(cfg) or switches is None:
         return cfg
     layer = copy.copy(cfg)
-    for key, value in FIXED_SWITCHES[letter].items():
+    for key, value in switches.items():
         setattr(layer, key, value)
     return layer
 
 
 def layer_mixer(cfg, index: int) -> str:
-    """'interdomain', 's4d' or 'softmax' (A and W)."""
+    """The model.mixer value that runs layer `index` ('softmax' for A and W)."""
     return LAYER_MIXERS[layer_letters(cfg)[index]]
 
 
@@ -87,10 +103,8 @@ def describe_pattern(cfg) -> str:
     """'IIIAIIIAIIIA (9 interdomain, 3 softmax)' / 'uniform interdomain x 12'."""
     letters = layer_letters(cfg)
     if not is_hybrid(cfg):
-        kind = "sliding-window softmax" if letters[0] == "W" else LAYER_MIXERS[letters[0]]
-        return f"{kind} x {len(letters)}"
-    names = {"I": "interdomain", "S": "s4d", "A": "softmax", "W": "sliding-window softmax"}
-    counts = ", ".join(f"{letters.count(c)} {names[c]}" for c in "ISAW" if c in letters)
+        return f"{LAYER_KINDS[letters[0]].name} x {len(letters)}"
+    counts = ", ".join(f"{letters.count(c)} {kind.name}" for c, kind in LAYER_KINDS.items() if c in letters)
     return f"{getattr(cfg, 'layer_pattern')} ({counts})"
 
 

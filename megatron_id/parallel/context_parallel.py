@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
+
 
 @dataclass(frozen=True)
 class ContextParallel:
@@ -50,7 +52,16 @@ class ContextParallel:
 
 
 def apply_context_parallel(model, cp: ContextParallel | None):
-    """Every mixer of `model` runs its rank's block of the sequence (None: whole sequences)."""
+    """Every mixer of `model` runs its rank's block of the sequence (None: whole sequences). A
+    mixer runs context parallel when it has a `context_parallel` attribute (docs/adding-a-mixer.md);
+    one without is an error here, not a model that silently sees only its own block."""
+    if cp is not None:
+        missing = sorted({type(layer.mixer).__name__ for layer in getattr(model, "layers", [])
+                          if not hasattr(layer.mixer, "context_parallel")})
+        if missing:
+            raise UserError(f"parallel.context_parallel_size={cp.size}: the mixer {', '.join(missing)} does not "
+                            f"run context parallel (it has no context_parallel attribute); set "
+                            f"parallel.context_parallel_size=1, or see docs/adding-a-mixer.md.")
     for module in model.modules():
         if hasattr(module, "context_parallel"):
             module.context_parallel = cp
@@ -114,8 +125,9 @@ def previous_tail(x: torch.Tensor, width: int, cp: ContextParallel) -> torch.Ten
 
 def incoming_state(block_end: torch.Tensor, transition: torch.Tensor, survives: torch.Tensor | None,
                    cp: ContextParallel) -> torch.Tensor:
-    """The state entering this rank's block, [B, H, M, P] complex. block_end: this block's end
-    state from zero; transition [H, M]: lambda^L over one block; survives [B] (float, 0/1) or
+    """The state entering this rank's block, [B, H, M, P] (complex for the interdomain mixer; any
+    float state of that layout, docs/adding-a-mixer.md). block_end: this block's end state from
+    zero; transition [H, M]: lambda^L over one block; survives [B] (float, 0/1) or
     None: whether a state entering this block reaches its end (no document starts in it)."""
     ends = gather(block_end, cp)                                        # [C, B, H, M, P]
     keep = None if survives is None else gather(survives, cp)           # [C, B]

@@ -32,6 +32,7 @@ from ..config import Mixer, ModelConfig
 from ..model.language_model import LanguageModel
 from ..model.layers import Embedding, Linear, RMSNorm
 from ..model.init import initialize
+from ..model.mixers import MIXERS, InterdomainMixer
 from ..model.roles import Role, Split, parameter_roles
 from . import mappings
 from .layers import (ColumnParallelLinear, PartialGradRMSNorm, RowParallelLinear,
@@ -69,10 +70,12 @@ def _roles_of_any_config() -> dict[str, Role]:
     config, so its role does not depend on which config it came from."""
     if not _ROLES_OF_ANY_CONFIG:
         small = dict(vocab_size=8, d_model=8, n_heads=2, n_layers=1, ffn_hidden=8, state_size=2, rope=False)
-        variants = [ModelConfig(mixer=Mixer.softmax, **small)]
-        variants += [ModelConfig(mixer=Mixer.interdomain, query_readout=query, dual_kv_input=dual,
-                                 output_gate=True, **small)
-                     for query, dual in itertools.product((True, False), repeat=2)]
+        variants = [ModelConfig(mixer=Mixer.interdomain, query_readout=query, dual_kv_input=dual,
+                                output_gate=True, **small)
+                    for query, dual in itertools.product((True, False), repeat=2)]
+        # every other mixer module once (softmax, and any added one: docs/adding-a-mixer.md)
+        variants += [ModelConfig(mixer=Mixer(kind), **small) for kind, module in MIXERS.items()
+                     if module is not InterdomainMixer]
         union: dict[str, Role] = {}
         for cfg in variants:
             for name, role in roles_of(cfg).items():

@@ -145,6 +145,20 @@ def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
     return per_stage
 
 
+COEFFICIENT_TERMS = ("d", "f", "hm", "chunk", "mm", "tm")
+
+
+def activation_coefficients(mixer: str, bf16: bool) -> dict[str, float]:
+    """The measured coefficients of `mixer` (missing terms 0). A mixer nobody has measured yet
+    (docs/adding-a-mixer.md) gets, term by term, the largest any measured mixer has: a guess on
+    the high side until benchmarks/plan_coefficients.py fits its own."""
+    found = ACTIVATION_COEFFICIENTS.get((mixer, bf16))
+    if found is None:
+        measured = [c for (_, autocast), c in ACTIVATION_COEFFICIENTS.items() if autocast == bf16]
+        return {term: max(c.get(term, 0.0) for c in measured) for term in COEFFICIENT_TERMS}
+    return {term: found.get(term, 0.0) for term in COEFFICIENT_TERMS}
+
+
 def block_activation_bytes(cfg: Config, micro_batch: int, tp: int, bf16: bool, layer: int = 0) -> float:
     """Bytes autograd keeps for block `layer` and one micro-batch (module docstring); a hybrid's
     blocks each by their own mixer's coefficients (a W layer's as softmax: its attention keeps
@@ -152,13 +166,12 @@ def block_activation_bytes(cfg: Config, micro_batch: int, tp: int, bf16: bool, l
     from ..model.pattern import layer_mixer
     m = cfg.model
     mixer = layer_mixer(m, layer)
-    c = ACTIVATION_COEFFICIENTS[(mixer, bf16)]
+    c = activation_coefficients(mixer, bf16)
     d, f, H, M, T = m.d_model, ffn_hidden_size(m), m.n_heads, m.state_size, m.chunk_size
     tokens = micro_batch * m.seq_length
     total = tokens * (c["d"] * d + c["f"] * f)
-    if mixer != "softmax":
-        total += tokens * (c["hm"] * H * M + c["chunk"] * d * M / T)
-        total += c["mm"] * H * M * M + c["tm"] * H * T * M   # parameter-only tables (C, decays)
+    total += tokens * (c["hm"] * H * M + c["chunk"] * d * M / T)   # the interdomain / s4d terms
+    total += c["mm"] * H * M * M + c["tm"] * H * T * M   # parameter-only tables (C, decays)
     replicated = tokens * 3 * d * 4   # block input and the two norms' outputs, on every TP rank
     return replicated + (total - replicated) / tp
 

@@ -52,6 +52,31 @@ class InterdomainMixer(nn.Module):
         "k_norm": SSM_SHARED_NORM, "v_norm": SSM_SHARED_NORM,
     }
 
+    # What the accounting reads (model/accounting.py; docs/adding-a-mixer.md): the core's
+    # multiply-adds per token beyond the projections and convs, and the decode state.
+    @staticmethod
+    def core_macs_per_token(cfg, context: int) -> int:
+        """What the chunked form executes (chunk T = chunk_size, including the masked upper
+        triangles of its T x T blocks); complex x real counts 2 real multiply-adds, complex x
+        complex 4. Independent of the context."""
+        T, M = cfg.chunk_size, cfg.state_size
+        R = Dv = cfg.d_model // cfg.n_heads
+        P = R + Dv
+        macs = 2 * M * P + 4 * M * P // T          # chunk's state contribution; carry (per chunk / T)
+        if cfg.query_readout:
+            macs += 2 * M * R + T * R + 2 * T * M  # p from the entering state; q.k scores; p within chunk
+            macs += 4 * M * M                      # r = p' G
+            macs += 2 * M * Dv + 2 * T * M + T * Dv  # o from the entering state; Re(W); W v
+        else:
+            macs += 2 * M * P + T * P              # Re(e^T X) from the entering state; S4D kernel
+        return cfg.n_heads * macs
+
+    @staticmethod
+    def decode_state_numbers(cfg) -> tuple[int, int]:
+        """(fixed, per token of context): real numbers a layer keeps to continue a sequence
+        (short-conv tails aside): the complex state [H, M, 2 Dh], whatever the context."""
+        return cfg.n_heads * 2 * (2 * (cfg.d_model // cfg.n_heads)) * cfg.state_size, 0
+
     def __init__(self, cfg, residual_std: float, form: str = "chunked"):
         super().__init__()
         d, H, M = cfg.d_model, cfg.n_heads, cfg.state_size

@@ -23,7 +23,22 @@ class SoftmaxAttention(nn.Module):
     PARAMETER_ROLES = {"q_proj": COLUMN_PARALLEL, "k_proj": COLUMN_PARALLEL, "v_proj": COLUMN_PARALLEL,
                        "o_proj": ROW_PARALLEL}
 
-    def __init__(self, cfg, residual_std: float):
+    @staticmethod
+    def core_macs_per_token(cfg, context: int) -> int:
+        """QK^T and AV over the whole context seen, no causal discount (the PaLM/Megatron MFU
+        convention); a window caps the context."""
+        window = getattr(cfg, "window", None)
+        return 2 * (context if window is None else min(context, window)) * cfg.d_model
+
+    @staticmethod
+    def decode_state_numbers(cfg) -> tuple[int, int]:
+        """(fixed, per token of context): the KV cache, 2 d per token; with a window, the full
+        window counted as fixed."""
+        window = getattr(cfg, "window", None)
+        return (0, 2 * cfg.d_model) if window is None else (2 * cfg.d_model * window, 0)
+
+    def __init__(self, cfg, residual_std: float, form: str = "chunked"):
+        """form: how recurrent mixers run full sequences; attention has one form (ignored)."""
         super().__init__()
         d = cfg.d_model
         self.head_dim, self.rope, self.rope_theta = d // cfg.n_heads, cfg.rope, cfg.rope_theta
