@@ -2,7 +2,7 @@
 the head shape and Delta range at a short context, and recall learned on synthetic associative
 recall, each over several seeds; writes docs/replication.md.
 
-    python launch/reproduce.py --out runs/replication                  # length, shapes, mqar (~1.5 h on 2 cores)
+    python launch/reproduce.py --out runs/replication                  # length, shapes, mqar (~2 h on 2 cores)
     python launch/reproduce.py --out runs/replication --study cube     # the earlier study: docs/replication-cube.md
     python launch/reproduce.py --smoke --out /tmp/smoke                # every step with tiny budgets
 
@@ -261,6 +261,13 @@ def cell_result(out: Path, cell: Cell) -> dict:
 
 # ---------------------------------------------------------------- main
 
+def report_paths(args) -> tuple[Path, Path]:
+    """Where the studies' and the cube's reports go: --report, else docs/; a smoke run or a
+    subset of the cells (--cells) writes into --out, never over the full report under docs/."""
+    docs = args.out if args.smoke or args.cells else ROOT / "docs"
+    return args.report or docs / "replication.md", args.report or docs / "replication-cube.md"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python launch/reproduce.py", description=__doc__.splitlines()[0],
                                 allow_abbrev=False)
@@ -278,11 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mqar-steps", type=int, default=2500, help="mqar study: steps of 64 sequences (2,500)")
     p.add_argument("--widths", nargs="+", type=int, default=[64, 128], help="mqar study: d_model values (64 128)")
     p.add_argument("--cells", nargs="+", default=None, metavar="GLOB",
-                   help="only the cells matching one of these (e.g. 'length/softmax-*'); the report shows those")
+                   help="only the cells matching one of these (e.g. 'length/softmax-*'); the report shows those "
+                        "and goes into --out unless --report says where")
     p.add_argument("--tokens", type=int, default=3_000_000, help="cube: training tokens per model (default 3M)")
     p.add_argument("--models", nargs="+", choices=list(CUBE_MODELS), default=None, help="cube: models")
     p.add_argument("--report", type=Path, default=None,
-                   help="default: docs/replication.md (cube: docs/replication-cube.md; smoke: in --out)")
+                   help="default: docs/replication.md (cube: docs/replication-cube.md; smoke or --cells: in --out)")
     p.add_argument("--smoke", action="store_true", help="tiny budgets, two models per study: checks the pipeline")
     return p
 
@@ -301,9 +309,7 @@ def main(argv=None) -> int:
         args.tokens = min(args.tokens, 24 * 16 * 256)
         args.models = args.models or ["softmax", "interdomain"]
     args.models = args.models or list(CUBE_MODELS)
-    docs = args.out if args.smoke else ROOT / "docs"
-    studies_report = args.report or docs / "replication.md"
-    cube_report = args.report or docs / "replication-cube.md"
+    studies_report, cube_report = report_paths(args)
     shard, val = args.corpus / "enwiki2015_train-00-of-04.jsonl.zst", args.corpus / "enwiki2015_val.jsonl.zst"
     for f in (shard, val):
         if not f.is_file():

@@ -1,6 +1,6 @@
 """docs/adding-a-mixer.md, followed literally: each file it shows is written and each line it
 shows is inserted where it says, in a copy of the repository; then its commands run there and
-what it promises is checked: the toy mixer trains alike at TP=2, TP=1 and CP=2, exports to
+what it promises is checked: the toy mixer trains alike at TP=2 and CP=2, exports to
 Hugging Face and generates with its cache exactly as without one.
 
 Markers on the page (HTML comments, invisible on GitHub), each before a fenced block:
@@ -149,11 +149,11 @@ def test_following_the_page_trains_at_tp2_and_cp2_exports_and_generates(tmp_path
         rows = [json.loads(line) for line in (clone / "runs" / "ema" / f"{layout}.jsonl").read_text().splitlines()]
         return [r["train/loss"] for r in rows if "train/loss" in r]
 
-    tp1, tp2, cp2 = losses("tp1"), losses("tp2"), losses("cp2")
-    assert len(tp1) == len(tp2) == len(cp2) == 16
-    assert tp1[-1] < tp1[0] - 0.5                               # it learns
-    assert tp2 == pytest.approx(tp1, rel=1e-4, abs=1e-4)        # same batches, same initial weights
-    assert cp2 == pytest.approx(tp1, rel=1e-4, abs=1e-4)
+    tp2, cp2 = losses("tp2"), losses("cp2")
+    assert len(tp2) == len(cp2) == 16
+    assert tp2[-1] < tp2[0] - 0.5                               # it learns
+    # same batches and initial weights, cut by heads or by the sequence: equal only if both are right
+    assert cp2 == pytest.approx(tp2, rel=1e-4, abs=1e-4)
 
     # the export loads without megatron_id (the bundle carries the toy) and its cache changes nothing
     out = _python(clone, """

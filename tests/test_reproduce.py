@@ -102,3 +102,17 @@ def test_verdicts_claim_nothing_the_seeds_do_not_support():
     assert r.within([1.01, 1.04], 0, 1.05).startswith("**holds**")
     assert r.within([1.2, 1.3], 0, 1.05).startswith("**does not hold**")
     assert r.within([1.01, 1.3], 0, 1.05).startswith("**mixed**")
+
+
+def test_a_subset_of_cells_never_replaces_the_full_report(tmp_path):
+    """--cells (or --smoke) writes its report into --out; only a full run writes docs/ (a
+    four-cell timing run once replaced docs/replication.md with its four rows)."""
+    reproduce = _reproduce_module()
+    parse = reproduce.build_parser().parse_args
+    full = reproduce.report_paths(parse(["--out", str(tmp_path)]))
+    assert full == (ROOT / "docs" / "replication.md", ROOT / "docs" / "replication-cube.md")
+    subset = reproduce.report_paths(parse(["--out", str(tmp_path), "--cells", "length/softmax-*"]))
+    assert subset == (tmp_path / "replication.md", tmp_path / "replication-cube.md")
+    assert reproduce.report_paths(parse(["--out", str(tmp_path), "--smoke"]))[0] == tmp_path / "replication.md"
+    chosen = reproduce.report_paths(parse(["--out", str(tmp_path), "--cells", "x", "--report", str(tmp_path / "r.md")]))
+    assert chosen == (tmp_path / "r.md", tmp_path / "r.md")
