@@ -19,6 +19,7 @@ from scipy.optimize import nnls
 
 from megatron_id.config import load_config
 from megatron_id.model.language_model import Block
+from megatron_id.training.plan import COEFFICIENT_TERMS
 
 # d, H, N, T (chunk), M (modes), B (micro-batch), f (FFN width)
 SHAPES = [(256, 4, 512, 64, 64, 1, 256), (512, 4, 512, 64, 64, 1, 1536), (256, 8, 512, 64, 64, 1, 768),
@@ -68,7 +69,7 @@ def main():
             A, y = np.array(rows, float), np.array(ys, float)
             coef, _ = nnls(A, y)
             err = np.max(np.abs(A @ coef - y) / y)
-            names = ["d", "f"] if not tables else ["d", "f", "hm", "chunk", "mm", "tm"]
+            names = COEFFICIENT_TERMS if tables else COEFFICIENT_TERMS[:2]   # the columns of `rows`
             print(f"{mixer:<12} bf16={autocast!s:<5} " +
                   " ".join(f"{n}={c:.1f}" for n, c in zip(names, coef)) + f"  max error {err:.1%}")
 

@@ -23,7 +23,7 @@ import torch
 from ..config import ModelConfig, ffn_hidden_size
 from .language_model import LanguageModel
 from .layers import Linear, ShortConv
-from .mixers import MIXERS, build_mixer
+from .mixers import MIXERS, InterdomainMixer, build_mixer
 from .pattern import layer_config, layer_letters, layer_mixer
 
 
@@ -79,7 +79,7 @@ def report(cfg: ModelConfig) -> ModelReport:
     model = build_on_meta(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     n_embed = model.embed.weight.numel()
-    d, H = cfg.d_model, cfg.n_heads
+    d = cfg.d_model
     ffn_and_head = sum(m.weight.numel() for name, m in model.named_modules()
                        if isinstance(m, Linear) and ".mixer." not in f".{name}.")
     letters = layer_letters(cfg)
@@ -93,7 +93,7 @@ def report(cfg: ModelConfig) -> ModelReport:
         layer_fixed, layer_per_token = MIXERS[layer_mixer(cfg, i)].decode_state_numbers(layer_config(cfg, i))
         fixed, per_token = fixed + layer_fixed, per_token + layer_per_token
     # the two per-layer figures `megatron-id params` prints
-    state = H * 2 * (2 * (d // H)) * cfg.state_size if set(letters) & set("IS") else None
+    state = InterdomainMixer.decode_state_numbers(cfg)[0] if set(letters) & set("IS") else None
     kv = 2 * d if set(letters) & set("AW") else None
     return ModelReport(n_params, n_params - n_embed, state, kv, flops, 3 * flops,
                        fixed_state=fixed, decode_state_per_token=per_token,
