@@ -40,8 +40,10 @@ setup(
         "triton": ["triton>=3.3,<4"],
         # Weights & Biases tracking (train.wandb; tested offline with 0.31)
         "wandb": ["wandb>=0.19,<1"],
+        # megatron-id serve (tested with aiohttp 3.14; its load test drives it with the openai client)
+        "serve": ["aiohttp>=3.9,<4"],
         "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval==0.4.13",
-                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1"],
+                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1", "aiohttp>=3.9,<4", "openai>=1.0"],
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },

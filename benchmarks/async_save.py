@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -61,29 +62,32 @@ def main(argv=None) -> int:
     from data_tools.preprocess import main as preprocess
     from distributed import run_distributed
     work = Path(tempfile.mkdtemp(prefix="async_save_"))
-    assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"),
-                       "--tokenizer", str(ROOT / "tests/data/gpt2-tokenizer.json"),
-                       "--output-prefix", str(work / "fineweb"), "--append-eod", "--no-progress"]) == 0
-    rows = {}
-    for mode in ("false", "true"):
-        items = [f"data.data_path=[{work / 'fineweb_text_document'}]", "data.split=100,0,0",
-                 "model.vocab_size=50257", "model.seq_length=128", "train.precision=fp32", "train.zero_stage=1",
-                 "train.micro_batch_size=1", "train.global_batch_size=1", "train.train_tokens=100000",
-                 f"train.async_save={mode}", f"train.save={work / ('ckpt-' + mode)}", "train.eval_iters=0"]
-        import yaml
-        model = yaml.safe_load(Path(args.config).read_text()).get("model", {})
-        items = [f"model.{k}={v}" for k, v in model.items() if k not in ("vocab_size", "seq_length")] + items
-        rows[mode] = run_distributed(_measure, 1, args=(items, str(work / ("ckpt-" + mode))), timeout=1800,
-                                     collective_timeout=1800)[0]
-        print(f"  measured async_save={mode}", file=sys.stderr, flush=True)
-    print(f"# a save of {rows['false']['bytes'] / 2**30:.2f} GiB ({Path(args.config).name}, ZeRO-1, fp32), one CPU process\n")
-    print("| train.async_save | save call blocks the loop | committed after | step before | step after (3 steps) |")
-    print("|---|---|---|---|---|")
-    for mode, r in rows.items():
-        print(f"| {mode} | {r['blocked']:.2f} s | {r['committed']:.2f} s | {r['before']:.2f} s | {r['after']:.2f} s |")
-    ratio = rows["true"]["blocked"] / rows["false"]["blocked"]
-    print(f"\nasync blocks the loop {ratio:.2f}x as long as a synchronous save")
-    return 0
+    try:
+        assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"),
+                           "--tokenizer", str(ROOT / "tests/data/gpt2-tokenizer.json"),
+                           "--output-prefix", str(work / "fineweb"), "--append-eod", "--no-progress"]) == 0
+        rows = {}
+        for mode in ("false", "true"):
+            items = [f"data.data_path=[{work / 'fineweb_text_document'}]", "data.split=100,0,0",
+                     "model.vocab_size=50257", "model.seq_length=128", "train.precision=fp32", "train.zero_stage=1",
+                     "train.micro_batch_size=1", "train.global_batch_size=1", "train.train_tokens=100000",
+                     f"train.async_save={mode}", f"train.save={work / ('ckpt-' + mode)}", "train.eval_iters=0"]
+            import yaml
+            model = yaml.safe_load(Path(args.config).read_text()).get("model", {})
+            items = [f"model.{k}={v}" for k, v in model.items() if k not in ("vocab_size", "seq_length")] + items
+            rows[mode] = run_distributed(_measure, 1, args=(items, str(work / ("ckpt-" + mode))), timeout=1800,
+                                         collective_timeout=1800)[0]
+            print(f"  measured async_save={mode}", file=sys.stderr, flush=True)
+        print(f"# a save of {rows['false']['bytes'] / 2**30:.2f} GiB ({Path(args.config).name}, ZeRO-1, fp32), one CPU process\n")
+        print("| train.async_save | save call blocks the loop | committed after | step before | step after (3 steps) |")
+        print("|---|---|---|---|---|")
+        for mode, r in rows.items():
+            print(f"| {mode} | {r['blocked']:.2f} s | {r['committed']:.2f} s | {r['before']:.2f} s | {r['after']:.2f} s |")
+        ratio = rows["true"]["blocked"] / rows["false"]["blocked"]
+        print(f"\nasync blocks the loop {ratio:.2f}x as long as a synchronous save")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)   # ours: two checkpoints of the model (GBs at 125m)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Generation: decode latency per token against the prefix length, and peak prefill memory with
 and without chunked prefill.
 
-    python benchmarks/generation.py            # ~5 minutes on 2 cores
+    python benchmarks/generation.py            # ~8 minutes on 2 cores
+    python benchmarks/generation.py --server   # only the server and memory-per-sequence rows (~3 minutes)
 
 Model: a small width (d 256, 4 heads, 4 layers, M 64, GPT-2 vocabulary), random weights (latency
 and memory do not depend on the values), batch 1, fp32, on this CPU with 2 threads. Each cell
@@ -10,6 +11,10 @@ runs in a fresh process (so peak RSS is its own):
            (one token each, the model's own state / KV cache); the median per token.
   prefill  a 16K-token prompt in one call vs chunks of 1,024 tokens; peak RSS of the process
            (CUDA: max allocated), minus the RSS after building the model.
+  server   `megatron-id serve` on the model exported (32 slots), N concurrent clients sending
+           greedy completions: generated tokens per second of wall time, and the server's RSS;
+           then what one sequence's slot holds in the fused step at 1K-16K tokens of context.
+(The fused step's own latency at 125M width, batch 1 and 8: benchmarks/decode_step.py.)
 """
 from __future__ import annotations
 
@@ -76,10 +81,101 @@ def run(kind: str, mixer: str, n: int, chunk: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def export_random(mixer: str, folder: Path) -> Path:
+    """The benchmark's model (random weights) as an exported folder, for `megatron-id serve`."""
+    from megatron_id.checkpoint.files import ClientState, model_config_dict
+    from megatron_id.checkpoint.read import write_weights_only
+    from megatron_id.hf.export import export_hf, write_folder
+    model = build(mixer)
+    tokenizer = ROOT / "tests/data/gpt2-tokenizer.json"
+    client = ClientState(step=0, model=model_config_dict(model.cfg), weights_only=True, tokenizer=str(tokenizer),
+                         layout={"tensor": 1, "pipe": 1, "data": 1, "zero_stage": 0})
+    shard = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    checkpoint = write_folder(folder.with_name(folder.name + "-ckpt"),
+                              lambda staging: write_weights_only(staging, [shard], model.cfg, 1, client))
+    return export_hf(checkpoint, folder)
+
+
+def slot_bytes(mixer: str, context: int) -> int:
+    """What one sequence holds in the fused step's buffers at `context` tokens (its slot)."""
+    from megatron_id.inference.fused_decode import FusedDecoder
+    decoder = FusedDecoder(build(mixer), slots=1, capacity=context)
+    total = 0
+    for layer in decoder.layers:
+        tensors = [layer.k, layer.v] if hasattr(layer, "k") else [layer.tensors["state"], layer.tensors["conv_tail"]]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def server_rows(clients=(1, 8, 32), prefix: int = 256, max_tokens: int = 32, requests: int = 2) -> None:
+    """Tokens/s of `megatron-id serve` (32 slots) under N concurrent clients, each sending
+    `requests` greedy completions of max_tokens after a prefix-token prompt, one after the other."""
+    import socket
+    import tempfile
+    import threading
+    import urllib.request
+    print(f"\n## through `megatron-id serve` (32 slots, 2 threads): {prefix}-token prompts, {max_tokens} new tokens, "
+          f"{requests} requests per client\n")
+    print("| mixer | clients | tokens/s | wall | server RSS |")
+    print("|---|---|---|---|---|")
+    prompt = " the" * prefix   # one GPT-2 token each
+    with tempfile.TemporaryDirectory() as tmp:
+        for mixer in MIXERS:
+            folder = export_random(mixer, Path(tmp) / mixer)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            server = subprocess.Popen([sys.executable, "-m", "megatron_id.cli", "serve", "--checkpoint", str(folder),
+                                       "--port", str(port), "--slots", "32", "--threads", "2", "--max-pending", "256",
+                                       "--max-model-len", str(prefix + max_tokens + 8)],
+                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, **ALLOCATOR_ENV, "PYTHONPATH": str(ROOT)})
+            url = f"http://127.0.0.1:{port}"
+            try:
+                for _ in range(600):
+                    try:
+                        urllib.request.urlopen(url + "/health", timeout=5).read()
+                        break
+                    except OSError:
+                        time.sleep(0.2)
+
+                def client():
+                    for _ in range(requests):
+                        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+                        reply = json.loads(urllib.request.urlopen(urllib.request.Request(
+                            url + "/v1/completions", data=body), timeout=1800).read())
+                        assert reply["usage"]["completion_tokens"] == max_tokens
+                client()   # warm-up
+                for n in clients:
+                    threads = [threading.Thread(target=client) for _ in range(n)]
+                    start = time.perf_counter()
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    wall = time.perf_counter() - start
+                    rss = int(next(line for line in open(f"/proc/{server.pid}/status")
+                                   if line.startswith("VmRSS")).split()[1]) / 1024
+                    print(f"| {mixer} | {n} | {n * requests * max_tokens / wall:,.0f} | {wall:.1f} s | {rss:,.0f} MiB |",
+                          flush=True)
+            finally:
+                server.terminate()
+                server.wait(timeout=120)
+    print("\n## memory per sequence (one slot of the fused step: states, conv tails, KV cache)\n")
+    print("| mixer | " + " | ".join(f"{n:,} tokens" for n in (1024, 4096, 16384)) + " |")
+    print("|---|---|---|---|")
+    for mixer in MIXERS:
+        print(f"| {mixer} | " + " | ".join(f"{slot_bytes(mixer, n) / 2**20:,.2f} MiB" for n in (1024, 4096, 16384))
+              + " |", flush=True)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--cell"]:
         kind, mixer, n, chunk = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
         print(json.dumps(cell(kind, mixer, n, chunk)))
+        return
+    if sys.argv[1:2] == ["--server"]:   # only the server and memory-per-sequence rows (~3 minutes)
+        server_rows()
         return
     print("## decode latency per token (4 layers, d 256, batch 1, median of 28 steps)\n")
     print("| prefix | " + " | ".join(MIXERS) + " |")
@@ -93,6 +189,7 @@ def main() -> None:
     for m in MIXERS:
         full, chunked = run("prefill", m, 16384, 16384), run("prefill", m, 16384, 1024)
         print(f"| {m} | {full['peak_mib']:,.0f} MiB | {chunked['peak_mib']:,.0f} MiB |", flush=True)
+    server_rows()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from scipy.optimize import nnls
 
 from megatron_id.config import load_config
 from megatron_id.model.language_model import Block
+from megatron_id.model.mixers import MIXERS
 from megatron_id.training.plan import COEFFICIENT_TERMS
 
 # d, H, N, T (chunk), M (modes), B (micro-batch), f (FFN width)
@@ -50,7 +51,7 @@ def saved_bytes(mixer, d, H, N, T, M, B, f, autocast):
 
 def main():
     parser = argparse.ArgumentParser(description="Fit plan.py's activation coefficients of each mixer.")
-    parser.add_argument("--mixers", nargs="+", default=["softmax", "interdomain", "s4d"],
+    parser.add_argument("--mixers", nargs="+", default=["softmax", "interdomain", "s4d"], choices=sorted(MIXERS),
                         help="model.mixer values (default: softmax interdomain s4d); a mixer with "
                              "no state tables (not interdomain / s4d) is fitted on the d and f terms")
     args = parser.parse_args()

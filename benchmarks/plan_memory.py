@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -102,42 +103,45 @@ def main(argv=None) -> int:
     from megatron_id.training.plan import stage_memory
 
     work = Path(tempfile.mkdtemp(prefix="plan_memory_"))
-    assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"),
-                       "--tokenizer", str(ROOT / "tests/data/gpt2-tokenizer.json"),
-                       "--output-prefix", str(work / "fineweb"), "--append-eod", "--no-progress"]) == 0
-    prefix = str(work / "fineweb_text_document")
+    try:
+        assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"),
+                           "--tokenizer", str(ROOT / "tests/data/gpt2-tokenizer.json"),
+                           "--output-prefix", str(work / "fineweb"), "--append-eod", "--no-progress"]) == 0
+        prefix = str(work / "fineweb_text_document")
 
-    # the per-process overhead, once: a tiny model at TP=1, its measured peak less the planner's
-    # own terms for it (~35 MB: the GPT-2 vocabulary's embedding, head and logits)
-    tiny = items_for(prefix, TINY, "softmax", 1, 1, 1, 0, args.steps)
-    tiny_cfg = load_config([], tiny)
-    tiny_terms = stage_memory(tiny_cfg, training_layout(tiny_cfg, 1), 0, 0, checkpointing=False,
-                              overhead=0)["total"]
-    overhead = run(tiny, 1, args.steps)[0][0] - tiny_terms
-    print(f"per-process overhead (tiny model, measured once, less its {tiny_terms / 2**20:.0f} MiB "
-          f"of model terms): {overhead / 2**20:.0f} MiB")
-    print(f"{'mixer':<12} {'layout':<10} {'rank':>4} {'stage':>5} {'estimate MiB':>12} "
-          f"{'measured MiB':>12} {'ratio':>6}")
-    within = {}
-    for mixer in args.mixers.split(","):
-        for name in args.layouts.split(","):
-            world, tp, pp, zero = LAYOUTS[name]
-            items = items_for(prefix, SMALL, mixer, world, tp, pp, zero, args.steps)
-            cfg = load_config([], items)
-            layout = training_layout(cfg, world)
-            results = run(items, world, args.steps)
-            for rank, (measured, stage) in enumerate(results):
-                est = stage_memory(cfg, layout, zero, stage, checkpointing=False, overhead=overhead,
-                                   touched_only=True)["total"]
-                ratio = est / measured
-                ok = abs(ratio - 1) <= 0.25
-                within.setdefault((mixer, name), []).append(ok)
-                print(f"{mixer:<12} {name:<10} {rank:>4} {stage:>5} {est / 2**20:>12.0f} "
-                      f"{measured / 2**20:>12.0f} {ratio:>6.2f}{'' if ok else '  (off by > 25%)'}",
-                      flush=True)
-    good = [key for key, oks in within.items() if all(oks)]
-    print(f"within 25% on every rank: {len(good)} of {len(within)} (mixer, layout) pairs")
-    return 0
+        # the per-process overhead, once: a tiny model at TP=1, its measured peak less the planner's
+        # own terms for it (~35 MB: the GPT-2 vocabulary's embedding, head and logits)
+        tiny = items_for(prefix, TINY, "softmax", 1, 1, 1, 0, args.steps)
+        tiny_cfg = load_config([], tiny)
+        tiny_terms = stage_memory(tiny_cfg, training_layout(tiny_cfg, 1), 0, 0, checkpointing=False,
+                                  overhead=0)["total"]
+        overhead = run(tiny, 1, args.steps)[0][0] - tiny_terms
+        print(f"per-process overhead (tiny model, measured once, less its {tiny_terms / 2**20:.0f} MiB "
+              f"of model terms): {overhead / 2**20:.0f} MiB")
+        print(f"{'mixer':<12} {'layout':<10} {'rank':>4} {'stage':>5} {'estimate MiB':>12} "
+              f"{'measured MiB':>12} {'ratio':>6}")
+        within = {}
+        for mixer in args.mixers.split(","):
+            for name in args.layouts.split(","):
+                world, tp, pp, zero = LAYOUTS[name]
+                items = items_for(prefix, SMALL, mixer, world, tp, pp, zero, args.steps)
+                cfg = load_config([], items)
+                layout = training_layout(cfg, world)
+                results = run(items, world, args.steps)
+                for rank, (measured, stage) in enumerate(results):
+                    est = stage_memory(cfg, layout, zero, stage, checkpointing=False, overhead=overhead,
+                                       touched_only=True)["total"]
+                    ratio = est / measured
+                    ok = abs(ratio - 1) <= 0.25
+                    within.setdefault((mixer, name), []).append(ok)
+                    print(f"{mixer:<12} {name:<10} {rank:>4} {stage:>5} {est / 2**20:>12.0f} "
+                          f"{measured / 2**20:>12.0f} {ratio:>6.2f}{'' if ok else '  (off by > 25%)'}",
+                          flush=True)
+        good = [key for key, oks in within.items() if all(oks)]
+        print(f"within 25% on every rank: {len(good)} of {len(within)} (mixer, layout) pairs")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)   # ours: the data and every layout's checkpoints
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 the head shape and Delta range at a short context, and recall learned on synthetic associative
 recall, each over several seeds; writes docs/replication.md.
 
-    python launch/reproduce.py --out runs/replication                  # length, shapes, mqar (~2 h on 2 cores)
+    python launch/reproduce.py --out runs/replication                  # length, shapes, mqar (~2 h 45 min on 2 cores)
     python launch/reproduce.py --out runs/replication --study cube     # the earlier study: docs/replication-cube.md
     python launch/reproduce.py --smoke --out /tmp/smoke                # every step with tiny budgets
 
@@ -15,7 +15,8 @@ Studies (--study; each cell = one model and seed, trained in its own folder):
           shapes; --short-tokens each; the same evaluation.
   mqar    multi-query associative recall (`data.source=mqar`, Zoology's task, generated): softmax,
           interdomain, S4D-only and a hybrid (a softmax layer over an interdomain one) at --widths,
-          `megatron-id eval mqar` accuracy against the size of the decode state (Zoology's fig. 2).
+          each at every learning rate of --mqar-lrs (the orderings take each mixer's best, as
+          Zoology does); `megatron-id eval mqar` accuracy against the decode state (Zoology's fig. 2).
   cube    the first study (six models at 256 on 3M tokens: perplexity, cube, recall probes);
           docs/replication-cube.md, its analysis in docs/replication-cube-notes.md.
 Every step is skipped when its result is there, so a killed run continues where it stopped (a cell
@@ -23,7 +24,7 @@ resumes from its last checkpoint); --jobs cells run at once, each with cores / j
 report states for each of the paper's orderings: the paper's figure, ours (mean and range over
 seeds), and holds / does not hold / tie, where a tie is any overlap of the seeds' ranges.
 The corpus folder must hold enwiki2015_train-00-of-04.jsonl.zst and enwiki2015_val.jsonl.zst
-(../shared/data/corpus, CC BY-SA 3.0: Wikipedia contributors).
+(../shared/data/corpus, CC BY-SA 3.0: Wikipedia contributors); --study mqar alone needs none.
 """
 from __future__ import annotations
 
@@ -183,6 +184,16 @@ class Run:
 
 # ---------------------------------------------------------------- the cells
 
+def lr_tag(lr: float) -> str:
+    """1e-3, 3e-4: the learning rate as cell names and tables show it."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def mqar_model(mixer: str, width: int, lr: float) -> str:
+    return f"{mixer}-d{width}-lr{lr_tag(lr)}"
+
+
 def budgets(args) -> dict:
     if args.smoke:
         return {"long": 8 * args.batch_tokens, "short": 8 * args.batch_tokens, "mqar_steps": 40, "context": 256, "mqar_samples": 64,
@@ -213,10 +224,12 @@ def study_cells(args) -> list[Cell]:
         widths = args.widths[:1] if args.smoke else args.widths
         for width in widths:
             for m in mixers:
-                for s in seeds:
-                    tokens = b["mqar_steps"] * 64 * MQAR_CONTEXT   # global batch 64 (configs/replication/mqar.yaml)
-                    cells.append(Cell("mqar", f"{m}-d{width}", s, [f"model.d_model={width}", *MIXERS[m]], tokens,
-                                      MQAR_CONTEXT, mqar))
+                for lr in args.mqar_lrs:
+                    for s in seeds:
+                        tokens = b["mqar_steps"] * 64 * MQAR_CONTEXT   # global batch 64 (configs/replication/mqar.yaml)
+                        cells.append(Cell("mqar", mqar_model(m, width, lr), s,
+                                          [f"model.d_model={width}", *MIXERS[m], f"optimizer.lr={lr:g}",
+                                           f"optimizer.min_lr={lr / 10:g}"], tokens, MQAR_CONTEXT, mqar))
     return cells
 
 
@@ -284,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens, are what these small models are short of")
     p.add_argument("--mqar-steps", type=int, default=2500, help="mqar study: steps of 64 sequences (2,500)")
     p.add_argument("--widths", nargs="+", type=int, default=[64, 128], help="mqar study: d_model values (64 128)")
+    p.add_argument("--mqar-lrs", nargs="+", type=float, default=[1e-3, 3e-4],
+                   help="mqar study: learning rates, each mixer at each (default 1e-3 3e-4); the orderings take "
+                        "each mixer's best, as Zoology does")
     p.add_argument("--cells", nargs="+", default=None, metavar="GLOB",
                    help="only the cells matching one of these (e.g. 'length/softmax-*'); the report shows those "
                         "and goes into --out unless --report says where")
@@ -304,14 +320,20 @@ def main(argv=None) -> int:
                                  *(("--widths", w, 8) for w in args.widths)):
         if value < least:
             raise SystemExit(f"reproduce: error: {option} {value}: at least {least:,}.")
+    for lr in args.mqar_lrs:
+        if not 0 < lr < 1:
+            raise SystemExit(f"reproduce: error: --mqar-lrs {lr:g}: a learning rate in (0, 1), e.g. 1e-3.")
+    if len(set(map(lr_tag, args.mqar_lrs))) < len(args.mqar_lrs):
+        raise SystemExit(f"reproduce: error: --mqar-lrs {' '.join(map(lr_tag, args.mqar_lrs))}: a rate given twice.")
     if args.smoke:
         args.seeds = min(args.seeds, 2)
+        args.mqar_lrs = args.mqar_lrs[:1]
         args.tokens = min(args.tokens, 24 * 16 * 256)
         args.models = args.models or ["softmax", "interdomain"]
     args.models = args.models or list(CUBE_MODELS)
     studies_report, cube_report = report_paths(args)
     shard, val = args.corpus / "enwiki2015_train-00-of-04.jsonl.zst", args.corpus / "enwiki2015_val.jsonl.zst"
-    for f in (shard, val):
+    for f in (shard, val) if set(args.study) - {"mqar"} else ():   # MQAR generates its data
         if not f.is_file():
             raise SystemExit(f"reproduce: error: {f} not found: --corpus must be the folder holding the Wikipedia "
                              f"shards (../shared/data/corpus).")
@@ -333,6 +355,8 @@ def main(argv=None) -> int:
     settings = {"tokens": args.tokens, "smoke": args.smoke, "long_tokens": args.long_tokens,
                 "batch_tokens": args.batch_tokens,
                 "short_tokens": args.short_tokens, "mqar_steps": args.mqar_steps}
+    if "mqar" in args.study:
+        settings["mqar_lrs"] = sorted(args.mqar_lrs)
     recorded = run.state.get("settings", {})
     for key, value in settings.items():
         if key in recorded and recorded[key] != value:
@@ -433,6 +457,17 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
     def accuracy(model):
         return [r["accuracy"] for r in by_model.get(("mqar", model), [])]
 
+    def best_lr(mixer, width):
+        """The learning rate of the sweep at which `mixer` did best at `width`: the highest mean
+        accuracy over seeds, then the lowest mean answer loss (Zoology reports each model at its
+        best learning rate); None when no cell ran."""
+        runs = {lr: by_model.get(("mqar", mqar_model(mixer, width, lr)), []) for lr in args.mqar_lrs}
+        runs = {lr: rs for lr, rs in runs.items() if rs}
+        if not runs:
+            return None
+        return max(runs, key=lambda lr: (sum(r["accuracy"] for r in runs[lr]) / len(runs[lr]),
+                                         -sum(r["answer_loss"] for r in runs[lr]) / len(runs[lr])))
+
     train_seconds = {k: v["seconds"] for k, v in run.state.items() if isinstance(v, dict) and "seconds" in v}
     total = sum(train_seconds.values())
     b = budgets(args)
@@ -448,7 +483,7 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
              "`mean [min, max]` over them everywhere below",
              f"- budgets: length {b['long']:,} tokens per model at context {b['context']:,}; shapes {b['short']:,} "
              f"tokens at 256 ({args.batch_tokens:,} tokens per step); mqar {b['mqar_steps']} steps of 64 sequences "
-             f"of {MQAR_CONTEXT} tokens", ""]
+             f"of {MQAR_CONTEXT} tokens at each learning rate of {', '.join(lr_tag(x) for x in args.mqar_lrs)}", ""]
     rows = []   # (claim, paper, ours, verdict)
     L = "length"
     if any(c.study == L for c in cells):
@@ -483,23 +518,28 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
                      below(c64, a)))
     if any(c.study == "mqar" for c in cells):
         for width in args.widths:
-            acc = {m: accuracy(f"{m}-d{width}") for m in MIXERS}
+            chosen = {m: best_lr(m, width) for m in MIXERS}
+            acc = {m: accuracy(mqar_model(m, width, lr)) if lr is not None else [] for m, lr in chosen.items()}
             if not acc["softmax"]:
                 continue
+            if len(args.mqar_lrs) > 1:   # each mixer at its best learning rate: say which
+                acc_label = {m: f" (lr {lr_tag(lr)})" if lr is not None else "" for m, lr in chosen.items()}
+            else:
+                acc_label = {m: "" for m in MIXERS}
             best = max(sum(a) / len(a) for a in acc.values() if a)
 
             def learned(verdict):   # an ordering among models that did not learn the task says nothing
                 return verdict if best >= TASK_LEARNED else (
                     f"**not testable** (no model's mean over seeds reached {TASK_LEARNED:.0%}: not learned reliably at this budget)")
+            def pair(a, b):
+                return f"{spread(acc[a])}{acc_label[a]} vs {spread(acc[b])}{acc_label[b]}"
             rows.append((f"MQAR at d {width}: softmax above interdomain", "needle 1K: 99.5 > 65.5",
-                         f"{spread(acc['softmax'])} vs {spread(acc['interdomain'])}",
-                         learned(below(acc["interdomain"], acc["softmax"]))))
+                         pair("softmax", "interdomain"), learned(below(acc["interdomain"], acc["softmax"]))))
             rows.append((f"MQAR at d {width}: interdomain above S4D-only", "needle 1K: 65.5 > 0",
-                         f"{spread(acc['interdomain'])} vs {spread(acc['s4d-only'])}",
-                         learned(below(acc["s4d-only"], acc["interdomain"]))))
+                         pair("interdomain", "s4d-only"), learned(below(acc["s4d-only"], acc["interdomain"]))))
             if acc["hybrid"]:
                 rows.append((f"MQAR at d {width}: the hybrid (a softmax layer) above interdomain", "- (hybrids: "
-                             "not in the paper)", f"{spread(acc['hybrid'])} vs {spread(acc['interdomain'])}",
+                             "not in the paper)", pair("hybrid", "interdomain"),
                              learned(below(acc["interdomain"], acc["hybrid"]))))
     lines += ["## The orderings", "",
               "A claim about one model holds when every seed meets it; an ordering holds when every seed of one "
@@ -546,15 +586,23 @@ def write_studies_report(run: Run, args, cells: list[Cell], report: Path, comman
                   f"{first['seq_length'] + 1} tokens, {first['num_keys']} keys and {first['num_values']} values "
                   f"(chance {1 / first['num_values']:.3f}); 2 layers; accuracy on the task's test split "
                   f"({b['mqar_samples']:,} sequences); state: the decode state at the task's length (fp32 bytes).", "",
-                  "| model | mixer | layers | state bytes | parameters | accuracy | answer loss |", "|---|---|---|---|---|---|---|"]
+                  f"Each mixer trained at each learning rate of {', '.join(lr_tag(x) for x in args.mqar_lrs)}; "
+                  "**bold**: its best at that width (highest mean accuracy), the one the orderings and the plot use.",
+                  "", "| model | mixer | layers | state bytes | parameters | lr | accuracy | answer loss |",
+                  "|---|---|---|---|---|---|---|---|"]
         points = {}
         for m in dict.fromkeys(c.model for c in mq):
             rs = by_model[("mqar", m)]
-            lines.append(f"| {m} | {rs[0]['mixer']} | {rs[0]['layer_pattern']} | {rs[0]['state_bytes_fp32']:,} | "
-                         f"{rs[0]['parameters']:,} | {spread([r['accuracy'] for r in rs])} | "
-                         f"{spread([r['answer_loss'] for r in rs])} |")
-            kind = m.rsplit("-d", 1)[0]
-            points.setdefault(kind, []).append((rs[0]["state_bytes_fp32"], [r["accuracy"] for r in rs]))
+            kind, rest = m.rsplit("-d", 1)
+            width, lr = int(rest.split("-lr")[0]), next(x for x in args.mqar_lrs if m == mqar_model(kind, int(
+                rest.split("-lr")[0]), x))
+            best = lr == best_lr(kind, width)
+            bold = "**" if best and len(args.mqar_lrs) > 1 else ""
+            lines.append(f"| {m.rsplit('-lr', 1)[0]} | {rs[0]['mixer']} | {rs[0]['layer_pattern']} | "
+                         f"{rs[0]['state_bytes_fp32']:,} | {rs[0]['parameters']:,} | {lr_tag(lr)} | "
+                         f"{bold}{spread([r['accuracy'] for r in rs])}{bold} | {spread([r['answer_loss'] for r in rs])} |")
+            if best:
+                points.setdefault(kind, []).append((rs[0]["state_bytes_fp32"], [r["accuracy"] for r in rs]))
         png = plots / "mqar.png"
         if draw_mqar(png, points):
             lines += ["", f"![mqar]({plots.name}/{png.name})"]

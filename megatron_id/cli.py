@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from .config import load_config
 from .errors import run_guarded
@@ -208,24 +209,147 @@ def cmd_generate(args) -> int:
     if args.cuda_graph and device.type != "cuda":
         raise BadOptionError(f"--cuda-graph needs a CUDA device; --device is {device}: drop --cuda-graph "
                              "or give --device cuda.")
+    if args.batch_size < 1:
+        raise BadOptionError(f"--batch-size {args.batch_size}: at least 1 (sequences decoded at once).")
+    prompts_text = None
+    if args.input_file is not None:
+        if args.cuda_graph:
+            raise BadOptionError("--cuda-graph decodes one prompt: drop it with --input-file (the batch "
+                                 "runs the fused step).")
+        prompts_text = read_prompts(args.input_file)
+        check_output_file(args.output_file)
+    elif args.output_file is not None:
+        raise BadOptionError("--output-file goes with --input-file (one completion per prompt); a single "
+                             "--prompt streams to the terminal.")
     model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer,
                                                      args.allow_tokenizer_mismatch)
     from .generation import static_decode_refusal
+    from .inference.fused_decode import fused_decode_refusal
     why = static_decode_refusal(model.cfg) if args.cuda_graph else None
     if why:
         raise BadOptionError(f"--cuda-graph needs fixed-size states: {why}; drop --cuda-graph.")
+    unfused = fused_decode_refusal(model)
+    if args.decode == "fused" and unfused:
+        raise BadOptionError(f"--decode fused: {unfused}; use --decode eager.")
     model.to(device)
+    eos_id = None if args.ignore_eos else eos
+    if prompts_text is not None:
+        return generate_file(args, model, tokenizer, eos_id, prompts_text, unfused)
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
         raise BadOptionError(f"--prompt {args.prompt!r} gives no tokens: give a prompt with some text.")
+    decode = "graph" if args.cuda_graph else ("eager" if args.decode == "eager" or unfused else "fused")
     sys.stdout.write(args.prompt)
     stream_text(tokenizer, generate_ids(
-        model, prompt, args.max_new_tokens, eos_id=None if args.ignore_eos else eos,
+        model, prompt, args.max_new_tokens, eos_id=eos_id,
         temperature=args.temperature, top_k=args.top_k, prefill_chunk_size=args.prefill_chunk_size,
-        generator=torch.Generator(device=device).manual_seed(args.seed),
-        decode="graph" if args.cuda_graph else "eager"))
+        generator=torch.Generator(device=device).manual_seed(args.seed), decode=decode))
     sys.stdout.write("\n")
     return 0
+
+
+def read_prompts(path: str) -> list[str]:
+    """--input-file: one prompt per line (a .jsonl file: a {"prompt": ...} object per line).
+    Blank lines are skipped, counted and reported; anything else that is not a prompt is refused."""
+    from .errors import BadOptionError
+    file = Path(path)
+    if not file.is_file():
+        raise BadOptionError(f"--input-file {path}: no such file.")
+    prompts, blank = [], 0
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            blank += 1
+            continue
+        if file.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadOptionError(f"--input-file {path}, line {number}: not JSON ({e.msg}): a .jsonl file "
+                                     f"holds one {{\"prompt\": ...}} object per line.") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise BadOptionError(f"--input-file {path}, line {number}: no \"prompt\" string in it.")
+            line = record["prompt"]
+        prompts.append(line)
+    if blank:
+        print(f"--input-file {path}: skipped {blank} blank line(s)", file=sys.stderr)
+    if not prompts:
+        raise BadOptionError(f"--input-file {path} holds no prompts.")
+    return prompts
+
+
+def check_output_file(path: str | None) -> None:
+    from .errors import BadOptionError, OutputExistsError
+    if path is None:
+        return
+    out = Path(path)
+    if out.exists():
+        raise OutputExistsError(f"--output-file {path} exists: give a new file (it is never replaced).")
+    if not out.parent.is_dir():
+        raise BadOptionError(f"--output-file {path}: the folder {out.parent} does not exist.")
+
+
+def generate_file(args, model, tokenizer, eos_id, prompts_text: list[str], unfused: str | None) -> int:
+    """Every prompt of --input-file, --batch-size at a time with continuous batching (the fused
+    step); one JSON line per prompt, in the file's order, to --output-file (written whole, then
+    renamed into place) or stdout."""
+    import torch
+    from .errors import BadOptionError
+    from .generation import generate_ids
+    from .inference.batching import generate_batch
+    prompts = [tokenizer.encode(text).ids for text in prompts_text]
+    for number, (text, ids) in enumerate(zip(prompts_text, prompts), 1):
+        if not ids:
+            raise BadOptionError(f"--input-file {args.input_file}: prompt {number} ({text!r}) gives no tokens.")
+    done = [0]
+
+    def progress(index, tokens):
+        done[0] += 1
+        print(f"[{done[0]}/{len(prompts)}] prompt {index + 1}: {len(tokens)} tokens", file=sys.stderr, flush=True)
+
+    if unfused or args.decode == "eager":   # one prompt at a time with the model's own step
+        device = next(model.parameters()).device
+        completions = []
+        for i, ids in enumerate(prompts):
+            completions.append(list(generate_ids(
+                model, ids, args.max_new_tokens, eos_id=eos_id, temperature=args.temperature, top_k=args.top_k,
+                prefill_chunk_size=args.prefill_chunk_size,
+                generator=torch.Generator(device=device).manual_seed(args.seed + i))))
+            progress(i, completions[-1])
+    else:
+        completions = generate_batch(model, prompts, args.max_new_tokens, slots=args.batch_size, eos_id=eos_id,
+                                     temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                                     prefill_chunk_size=args.prefill_chunk_size, on_finish=progress)
+    lines = []
+    for text, ids in zip(prompts_text, completions):
+        finish = "stop" if ids and ids[-1] == eos_id else "length"
+        lines.append(json.dumps({"prompt": text, "completion": tokenizer.decode(ids), "tokens": len(ids),
+                                 "finish_reason": finish}, ensure_ascii=False))
+    body = "\n".join(lines) + "\n"
+    if args.output_file is None:
+        sys.stdout.write(body)
+        return 0
+    tmp = Path(f"{args.output_file}.tmp-{os.getpid()}")
+    tmp.write_text(body, encoding="utf-8")
+    os.replace(tmp, args.output_file)
+    print(f"wrote {len(lines)} completions to {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible completions server over continuous batching (inference/server.py)."""
+    from .errors import BadOptionError
+    from .generation import check_options
+    for option, value, least in (("--slots", args.slots, 1), ("--port", args.port, 0),
+                                 ("--max-pending", args.max_pending, 1), ("--max-model-len", args.max_model_len, 2),
+                                 ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            raise BadOptionError(f"{option} {value}: at least {least}.")
+    if args.port > 65535 or args.drain_timeout < 0:
+        raise BadOptionError(f"--port {args.port} / --drain-timeout {args.drain_timeout}: a port up to 65535, "
+                             f"a timeout of at least 0 seconds.")
+    check_options(0, prefill_chunk_size=args.prefill_chunk_size)
+    from .inference.server import serve
+    return serve(args)
 
 
 def cmd_plan(args) -> int:
@@ -368,7 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream text from a training checkpoint or an exported folder",
                        allow_abbrev=False)
     g.add_argument("--checkpoint", required=True, help="train.save folder, iter_ folder or exported folder")
-    g.add_argument("--prompt", required=True)
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt, streamed to the terminal")
+    source.add_argument("--input-file", help="many prompts: one per line (.jsonl: {\"prompt\": ...} per line), "
+                                             "decoded --batch-size at a time; JSON lines out")
+    g.add_argument("--output-file", help="with --input-file: a new .jsonl file (default: stdout)")
+    g.add_argument("--batch-size", type=int, default=8,
+                   help="with --input-file: sequences decoded at once, refilled as they finish (default 8)")
+    g.add_argument("--decode", choices=["auto", "fused", "eager"], default="auto",
+                   help="fused: the fused step (inference/fused_decode.py); eager: the model's own "
+                        "forward per token; auto (default): fused where the model's mixers have it")
     g.add_argument("--max-new-tokens", type=int, default=100)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -381,6 +514,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graph", action="store_true",
                    help="replay each decode step as a CUDA graph (interdomain / S4D models on CUDA)")
     g.set_defaults(func=cmd_generate)
+    sv = sub.add_parser("serve", allow_abbrev=False,
+                        help="an OpenAI-compatible completions server (continuous batching over state slots)")
+    sv.add_argument("--checkpoint", required=True, help="train.save folder, iter_ folder or exported folder")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+    sv.add_argument("--max-model-len", type=int, default=None,
+                    help="prompt + max_tokens of one request (default: the model's seq_length); softmax layers "
+                         "keep a KV cache this long per slot")
+    sv.add_argument("--max-pending", type=int, default=None,
+                    help="requests queued or running before new ones get 503 (default 4 x --slots)")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM / SIGINT: seconds the running requests get to finish (default 30)")
+    sv.add_argument("--prefill-chunk-size", type=int, default=2048)
+    sv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
+    sv.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    sv.add_argument("--tokenizer", help="tokenizer.json (default: the one the checkpoint or export records)")
+    sv.add_argument("--allow-tokenizer-mismatch", action="store_true", help=MISMATCH_HELP)
+    sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    sv.set_defaults(func=cmd_serve)
     cc = sub.add_parser("convert-checkpoint", allow_abbrev=False,
                         help="copy a ZeRO-0/1/2 checkpoint with its optimizer state made loadable at any layout")
     cc.add_argument("--input", required=True, help="train.save folder (its latest) or iter_ folder")

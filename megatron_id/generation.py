@@ -187,7 +187,7 @@ def _copy_into(state, new) -> None:
             _copy_into(state[key], value)
 
 
-DECODES = ("eager", "static", "graph")
+DECODES = ("eager", "static", "graph", "fused")
 
 
 @torch.no_grad()
@@ -196,7 +196,8 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
                  generator: torch.Generator | None = None, decode: str = "eager") -> Iterator[int]:
     """Yield new token ids one at a time. Everything runs on the model's device (the sampler's
     `generator` must be on it too). decode: "eager" (a model call per token), "static" (fixed
-    buffers updated in place: StaticDecodeStep) or "graph" (that step under a CUDA graph)."""
+    buffers updated in place: StaticDecodeStep), "graph" (that step under a CUDA graph) or
+    "fused" (inference/fused_decode.py: every layer's step in few ops on preallocated buffers)."""
     if not prompt:
         raise BadOptionError("the prompt is empty (no tokens): give a prompt with some text.")
     if decode not in DECODES:
@@ -207,7 +208,14 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
     for start in range(0, tokens.shape[1], prefill_chunk_size):
         logits, states = model(tokens[:, start:start + prefill_chunk_size], states=states, return_states=True)
     last = logits[0, -1]
-    step = None if decode == "eager" else StaticDecodeStep(model, states, len(prompt), graph=decode == "graph")
+    step = None
+    if decode == "fused":
+        from .inference.fused_decode import FusedDecoder
+        fused = FusedDecoder(model, slots=1, capacity=len(prompt) + max(max_new_tokens, 1))
+        fused.load(0, states, len(prompt))
+        step = lambda token: fused.step(torch.tensor([token], device=device))[0]   # noqa: E731
+    elif decode != "eager":
+        step = StaticDecodeStep(model, states, len(prompt), graph=decode == "graph")
     for _ in range(max_new_tokens):
         last = last.float()
         if temperature > 0:

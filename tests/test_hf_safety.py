@@ -7,6 +7,7 @@ and atomically. And the SSM parameters of an export stay float32 when it is load
 """
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -241,6 +242,41 @@ def test_generate_refuses_bad_inputs(export, tmp_path):
             mention=r"--max-new-tokens -1 is invalid: it must be at least 0", unchanged=[export])
     refused([CLI, "generate", "--checkpoint", export, "--prompt", ""],
             mention=r"--prompt '' gives no tokens: give a prompt with some text", unchanged=[export])
+
+
+@pytest.mark.slow
+def test_generate_a_file_of_prompts_in_batches_as_one_at_a_time(export, tmp_path, capsys):
+    """--input-file: the prompts decoded 2 at a time with continuous batching (the fused step)
+    give, line by line, what --prompt gives for each alone; blank lines are counted, not lost."""
+    from megatron_id.cli import main
+    prompts = ["Rivers carry", "The water cycle is the", "", "A", "Clouds form when warm air rises and"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "out.jsonl"
+    common = ["--checkpoint", str(export), "--max-new-tokens", "6", "--ignore-eos", "--prefill-chunk-size", "3"]
+    assert main(["generate", *common, "--input-file", str(tmp_path / "prompts.txt"), "--output-file", str(out),
+                 "--batch-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 blank line(s)" in err and "wrote 4 completions" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [p for p in prompts if p]
+    assert all(r["tokens"] == 6 and r["finish_reason"] == "length" for r in rows)
+    for row in rows:
+        for decode in ("eager", "fused"):
+            assert main(["generate", *common, "--prompt", row["prompt"], "--decode", decode]) == 0
+            assert capsys.readouterr().out == row["prompt"] + row["completion"] + "\n", decode
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    for args, mention in [
+            (["--input-file", str(tmp_path / "prompts.txt"), "--output-file", str(out)],
+             r"--output-file .*out.jsonl exists: give a new file \(it is never replaced\)"),
+            (["--input-file", str(tmp_path / "nope.txt")], r"--input-file .*nope.txt: no such file"),
+            (["--input-file", str(tmp_path / "bad.jsonl")], r"bad.jsonl, line 2: no \"prompt\" string in it"),
+            (["--prompt", "Hi", "--output-file", str(tmp_path / "x.jsonl")], r"--output-file goes with --input-file"),
+            (["--input-file", str(tmp_path / "prompts.txt"), "--batch-size", "0"], r"--batch-size 0: at least 1")]:
+        before = snapshot(tmp_path)
+        assert main(["generate", "--checkpoint", str(export), *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert re.search(mention, err[-1]) and "Traceback" not in "".join(err), (args, err)
+        assert snapshot(tmp_path) == before
 
 
 def test_generation_options_are_checked():

@@ -64,11 +64,12 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     assert f"steps {int(stopped[5:]) + 1}-8 |" in log, log[-3000:]   # the second attempt's header
     state = json.loads((out / "state.json").read_text())
     cells = [f"{m}-seed{s}" for m in ("softmax", "interdomain") for s in (1, 2)]
-    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d64-seed{s}" for m in ("softmax", "interdomain")
+    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d64-lr1e-3-seed{s}" for m in ("softmax", "interdomain")
                                                   for s in (1, 2)} <= set(state)
     report = (out / "replication.md").read_text()
     for part in ("## The orderings", "| interdomain flat to 3.5x (context 256) |", "## Length extrapolation",
                  "| interdomain |", "## Recall: multi-query associative recall", "| softmax-d64 | softmax | AA |",
+                 "| 1e-3 |",
                  "python launch/reproduce.py --smoke"):
         assert part in report, part
     # a row's spread is its seeds' own results
@@ -116,3 +117,31 @@ def test_a_subset_of_cells_never_replaces_the_full_report(tmp_path):
     assert reproduce.report_paths(parse(["--out", str(tmp_path), "--smoke"]))[0] == tmp_path / "replication.md"
     chosen = reproduce.report_paths(parse(["--out", str(tmp_path), "--cells", "x", "--report", str(tmp_path / "r.md")]))
     assert chosen == (tmp_path / "r.md", tmp_path / "r.md")
+
+
+def test_the_learning_rate_sweep_makes_one_cell_per_rate_and_names_it():
+    reproduce = _reproduce_module()
+    args = reproduce.build_parser().parse_args(["--out", "x", "--study", "mqar", "--seeds", "2", "--widths", "64"])
+    cells = reproduce.study_cells(args)
+    assert len(cells) == 4 * 2 * 2   # mixers x rates x seeds
+    softmax = [c for c in cells if c.model.startswith("softmax")]
+    assert [c.key for c in softmax] == ["mqar/softmax-d64-lr1e-3-seed1", "mqar/softmax-d64-lr1e-3-seed2",
+                                        "mqar/softmax-d64-lr3e-4-seed1", "mqar/softmax-d64-lr3e-4-seed2"]
+    assert {"optimizer.lr=0.0003", "optimizer.min_lr=3e-05"} <= set(softmax[2].items)
+    assert [reproduce.lr_tag(x) for x in (1e-3, 2.5e-3, 0.01)] == ["1e-3", "2.5e-3", "1e-2"]
+    with pytest.raises(SystemExit, match="--mqar-lrs 2: a learning rate in"):
+        reproduce.main(["--out", "x", "--study", "mqar", "--mqar-lrs", "2"])
+    with pytest.raises(SystemExit, match="--mqar-lrs 1e-3 1e-3: a rate given twice"):
+        reproduce.main(["--out", "x", "--study", "mqar", "--mqar-lrs", "1e-3", "0.001"])
+
+
+def test_the_mqar_study_alone_needs_no_corpus(tmp_path):
+    """MQAR generates its data: --study mqar goes on without the Wikipedia shards (here to the
+    --cells check, which stops it before any work), the Wikipedia studies refuse to start."""
+    reproduce = _reproduce_module()
+    missing = tmp_path / "no-corpus"
+    with pytest.raises(SystemExit, match="matches no cell of --study mqar"):
+        reproduce.main(["--out", str(tmp_path / "out"), "--study", "mqar", "--corpus", str(missing), "--cells", "x"])
+    with pytest.raises(SystemExit, match=f"{missing}/enwiki2015_train-00-of-04.jsonl.zst not found"):
+        reproduce.main(["--out", str(tmp_path / "out"), "--study", "length", "mqar", "--corpus", str(missing)])
+    assert not (tmp_path / "out").exists()

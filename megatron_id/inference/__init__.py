@@ -1,0 +1,2 @@
+"""Inference beyond the training model's own forward: the fused decode step over slots
+(fused_decode.py)."""

@@ -1,0 +1,92 @@
+"""Continuous batching over the fused step's slots (megatron_id/inference/batching.py): more
+prompts than slots, of different lengths, join and leave the running batch; each completion is
+what generate_ids gives for that prompt alone (greedy, and sampled with the same seed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_id.errors import BadOptionError
+from megatron_id.generation import generate_ids
+from megatron_id.inference.batching import ContinuousBatcher, Request, generate_batch
+from test_fused_decode import VOCAB, tiny
+
+
+def prompts(n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("items", [[], ["model.layer_pattern=IAIW", "model.window=6"]], ids=["interdomain", "hybrid"])
+def test_batched_completions_equal_one_at_a_time(items):
+    model = tiny(items, dtype=torch.float32)
+    ps = prompts(5)
+    for temperature, top_k in ((0.0, 0), (1.0, 20)):
+        batched = generate_batch(model, ps, 8, slots=3, temperature=temperature, top_k=top_k, seed=5,
+                                 prefill_chunk_size=8)
+        for i, p in enumerate(ps):
+            alone = list(generate_ids(model, p, 8, temperature=temperature, top_k=top_k, prefill_chunk_size=8,
+                                      generator=torch.Generator().manual_seed(5 + i)))
+            assert batched[i] == alone, (temperature, i)
+
+
+def test_a_sequence_that_ends_frees_its_slot_for_the_next():
+    model = tiny([], dtype=torch.float32)
+    ps = prompts(5, seed=1)
+    # the end-of-document id: the first token greedy decoding gives prompt 0, so it ends at once
+    eos = list(generate_ids(model, ps[0], 1))[0]
+    batcher = ContinuousBatcher(model, slots=2)
+    sequences = [batcher.submit(Request(p, 6, eos_id=eos)) for p in ps]
+    slots_seen, steps = set(), 0
+    while batcher.busy():
+        batcher.step()
+        slots_seen.add(tuple(sorted(batcher.running)))
+        steps += 1
+    assert sequences[0].tokens == [eos] and sequences[0].finish_reason == "stop"
+    for s, p in zip(sequences[1:], ps[1:]):
+        alone = list(generate_ids(model, p, 6, eos_id=eos))
+        assert s.tokens == alone and s.finish_reason == ("stop" if alone[-1] == eos else "length")
+    assert steps < 5 * 6 // 2 + 3      # never more than 2 at once, yet no slot idles while work waits
+    assert all(len(running) <= 2 for running in slots_seen)
+
+
+def test_cancelled_sequences_leave_and_requests_that_cannot_fit_are_refused():
+    model = tiny(["model.layer_pattern=IA"], dtype=torch.float32, layers=2)
+    batcher = ContinuousBatcher(model, slots=2, capacity=20)
+    with pytest.raises(BadOptionError, match="prompt's 15 tokens and max_tokens 6 exceed this model's 20-token"):
+        batcher.submit(Request([1] * 15, 6))
+    with pytest.raises(BadOptionError, match="the prompt is empty"):
+        batcher.submit(Request([], 6))
+    with pytest.raises(BadOptionError, match="max_tokens 0: at least 1"):
+        batcher.submit(Request([1, 2], 0))
+    a, b, c = (batcher.submit(Request([1, 2, 3], 10)) for _ in range(3))
+    batcher.step()
+    batcher.cancel(a)
+    batcher.step()
+    assert a.finish_reason == "cancelled" and a not in batcher.running.values()
+    assert c.slot is not None   # it took the cancelled sequence's slot
+    while batcher.busy():
+        batcher.step()
+    assert len(b.tokens) == len(c.tokens) == 10
+
+
+def test_a_sequence_moved_into_a_freed_slot_decodes_on_as_alone():
+    """Running sequences stay in the first slots: when one leaves, the last moves into its slot
+    (states, conv tails, KV caches) and goes on decoding there."""
+    model = tiny(["model.layer_pattern=IAIW", "model.window=6"], dtype=torch.float32)
+    ps = prompts(4, seed=3)
+    budgets = [2, 9, 4, 11]
+    batcher = ContinuousBatcher(model, slots=3, capacity=64)
+    sequences = [batcher.submit(Request(p, n)) for p, n in zip(ps, budgets)]
+    slots = {s.id: set() for s in sequences}
+    while batcher.busy():
+        batcher.step()
+        for slot, s in batcher.running.items():
+            slots[s.id].add(slot)
+    # sequence 2 was admitted to slot 2 and moved to slot 0 in the same step (sequence 0 ended);
+    # sequence 3 took slot 2, then moved to slot 0 when sequence 2 ended
+    assert slots == {sequences[0].id: set(), sequences[1].id: {1}, sequences[2].id: {0},
+                     sequences[3].id: {2, 0}}, slots
+    for s, p, n in zip(sequences, ps, budgets):
+        assert s.tokens == list(generate_ids(model, p, n)), s.id

@@ -1,0 +1,139 @@
+"""The fused decode step (megatron_id/inference/fused_decode.py) against its references: the
+model's own decode (LanguageModel.forward with states: the recurrent form and the KV cache) and
+the chunked forward over the whole sequence, in float64, for every layer kind and switch; slots
+of different prefix lengths in one batch, refilled while the others go on; the compiled step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ROOT
+from megatron_id.config import load_config
+from megatron_id.inference.fused_decode import FusedDecodeError, FusedDecoder
+from megatron_id.model import LanguageModel
+
+VOCAB = 97
+CASES = {
+    "interdomain": [],
+    "s4d-only": ["model.mixer=s4d"],
+    "softmax": ["model.mixer=softmax"],
+    # a window shorter than the prefix: the ring of the W layer's cache wraps
+    "hybrid IAWS, window 5": ["model.layer_pattern=IAWS", "model.window=5"],
+    "plain readout": ["model.readout=plain"],
+    "single kv input": ["model.dual_kv_input=false"],
+    "no query readout (contraction), dual input": ["model.query_readout=false"],
+    "no rope, output gate": ["model.rope=false", "model.output_gate=true"],
+}
+
+
+def tiny(items, dtype=torch.float64, layers=4):
+    cfg = load_config([ROOT / "configs/model/tiny.yaml"], [f"model.vocab_size={VOCAB}", f"model.n_layers={layers}",
+                                                            *items]).model
+    model = LanguageModel(cfg, seed=1).to(dtype).eval()
+    with torch.no_grad():   # parameters the init leaves at zero, so that every term is exercised
+        g = torch.Generator().manual_seed(3)
+        for name, p in model.named_parameters():
+            if name.endswith(("c_im", "k_bias", "v_bias", "conv.bias")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_step_equals_the_models_decode_and_the_whole_sequence(case):
+    model = tiny(CASES[case])
+    g = torch.Generator().manual_seed(0)
+    prompt, new = torch.randint(0, VOCAB, (1, 13), generator=g), torch.randint(0, VOCAB, (1, 6), generator=g)
+    with torch.no_grad():
+        whole = model(torch.cat([prompt, new], 1))[0, 13:]                      # the chunked form
+        _, states = model(prompt, return_states=True)
+        decoder = FusedDecoder(model, slots=3, capacity=32)
+        decoder.load(1, states, 13)                                            # the middle slot
+        for t in range(6):
+            own, states = model(new[:, t:t + 1], states=states, return_states=True)
+            tokens = torch.zeros(3, dtype=torch.long)
+            tokens[1] = new[0, t]
+            fused = decoder.step(tokens)[1]
+            assert rel(fused, own[0, -1]) < 1e-10, (case, t)
+            assert rel(fused, whole[t]) < 1e-10, (case, t)
+
+
+def test_slots_of_different_lengths_decode_as_if_alone_and_refill_mid_run():
+    """Three prompts of 3, 11 and 20 tokens decode in one batch, each as it would alone; slot 0
+    is emptied and refilled with a fourth prompt after two steps while the others go on."""
+    model = tiny(["model.layer_pattern=IIAS"])
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (3, 11, 20, 7)]
+    follow = torch.randint(0, VOCAB, (4, 5), generator=g)
+
+    def alone(i, steps):
+        with torch.no_grad():
+            return model(torch.cat([prompts[i], follow[i:i + 1, :steps]], 1))[0, prompts[i].shape[1] - 1:]
+
+    with torch.no_grad():
+        decoder = FusedDecoder(model, slots=3, capacity=40)
+        for slot in range(3):
+            decoder.load(slot, model(prompts[slot], return_states=True)[1], prompts[slot].shape[1])
+        got = {0: [], 1: [], 2: [], 3: []}
+        for t in range(5):
+            if t == 2:   # slot 0's sequence leaves, prompt 3 takes its slot
+                decoder.clear(0)
+                decoder.load(0, model(prompts[3], return_states=True)[1], prompts[3].shape[1])
+            seq = [3 if t >= 2 else 0, 1, 2]
+            step = follow[seq, [t - 2 if (t >= 2 and s == 0) else t for s in range(3)]]
+            logits = decoder.step(step)
+            for s, i in enumerate(seq):
+                got[i].append(logits[s])
+    for i, n in ((0, 2), (1, 5), (2, 5), (3, 3)):
+        want = alone(i, n)[1:n + 1]
+        assert rel(torch.stack(got[i]), want) < 1e-10, i
+
+
+def test_compiled_step_equals_the_eager_one():
+    """torch.compile of the fixed-state block (real arithmetic for the update): the same logits."""
+    model = tiny(["model.layer_pattern=IS", "model.output_gate=true"], layers=2)
+    g = torch.Generator().manual_seed(2)
+    prompt, new = torch.randint(0, VOCAB, (1, 9), generator=g), torch.randint(0, VOCAB, (2, 4), generator=g)
+    with torch.no_grad():
+        _, states = model(prompt, return_states=True)
+        eager, compiled = FusedDecoder(model, slots=2), FusedDecoder(model, slots=2, compile=True)
+        for decoder in (eager, compiled):
+            decoder.load(0, states, 9)
+            decoder.load(1, states, 9)
+        for t in range(4):
+            a, b = eager.step(new[:, t]), compiled.step(new[:, t])
+            assert rel(b, a) < 1e-10, t
+
+
+def test_what_the_fused_step_cannot_take_is_refused():
+    softmax = tiny(["model.mixer=softmax"], layers=1)
+    with pytest.raises(FusedDecodeError, match="needs a capacity"):
+        FusedDecoder(softmax, slots=1)
+    with torch.no_grad():
+        _, states = softmax(torch.zeros(1, 8, dtype=torch.long), return_states=True)
+    decoder = FusedDecoder(softmax, slots=2, capacity=9)
+    with pytest.raises(FusedDecodeError, match="slots 0 to 1"):
+        decoder.load(2, states, 8)
+    with pytest.raises(FusedDecodeError, match="a prefix of 9 tokens leaves no room in a KV cache of 9"):
+        decoder.load(0, states, 9)
+    decoder.load(0, states, 8)
+    with pytest.raises(FusedDecodeError, match=r"shape \(n,\) with n from 1 to 2, not \(3,\)"):
+        decoder.step(torch.zeros(3, dtype=torch.long))
+    decoder.step(torch.zeros(2, dtype=torch.long))     # the ninth token: the cache is full now
+    with pytest.raises(FusedDecodeError, match="reached the KV cache's capacity of 9"):
+        decoder.step(torch.zeros(2, dtype=torch.long))
+    interdomain = tiny([], layers=1)
+    with pytest.raises(FusedDecodeError, match=r"layer 0's state has \['k', 'pos', 'v'\], not the \['conv', 'ssm'\] "
+                                               r"of its interdomain mixer"):
+        FusedDecoder(interdomain).load(0, states, 8)
+    with pytest.raises(FusedDecodeError, match="2 layer states for a model of 1 layers"):
+        FusedDecoder(interdomain).load(0, states * 2, 8)
+
+    class Toy(torch.nn.Module):
+        pass
+    interdomain.layers[0].mixer = Toy()
+    with pytest.raises(FusedDecodeError, match=r"layer 0's mixer \(Toy\) has no fused decode step"):
+        FusedDecoder(interdomain)

@@ -1,0 +1,221 @@
+"""`megatron-id serve` under load on 127.0.0.1 (issue 31): 32 concurrent clients through the
+openai client library, streaming and not; every greedy completion equals generate_ids one at a
+time, none lost or mixed; the server's memory stays flat as clients come and go (fixed-state
+model); bad requests get 400 with a message; a burst past --max-pending gets 503; SIGTERM lets
+the running streams finish and exits 0."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import ROOT
+from hf_tiny import tiny_export
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The water cycle", "Rivers carry", "A", "In 1850 the city of", "Clouds", "Snow falls when the air is",
+           "Mountains", "Ocean currents move heat from the equator toward"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, folder, *args):
+        self.port = free_port()
+        self.log = open(folder.parent / f"serve-{self.port}.log", "w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "megatron_id.cli", "serve", "--checkpoint", str(folder), "--port", str(self.port),
+             "--threads", "1", *map(str, args)], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.process.poll() is None, self.output()
+            try:
+                if self.get("/health")["status"] == "ok":
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not come up:\n" + self.output())
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def url(self, path):
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url(path), timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, body) -> tuple[int, dict, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url("/v1/completions"), data=data,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), dict(e.headers)
+
+    def rss_mib(self) -> float:
+        for line in open(f"/proc/{self.process.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    return tiny_export(tmp_path_factory.mktemp("serve") / "hf")
+
+
+def references(folder, max_tokens: int) -> dict:
+    from megatron_id.generation import generate_ids, load_trained
+    trained = load_trained(folder)
+    out = {}
+    for prompt in PROMPTS:
+        ids = list(generate_ids(trained.model, trained.tokenizer.encode(prompt).ids, max_tokens, decode="eager"))
+        out[prompt] = trained.tokenizer.decode(ids)
+    return out
+
+
+def test_thirty_two_clients_get_what_generate_gives_alone_and_memory_stays_flat(export):
+    from openai import OpenAI
+    max_tokens = 12
+    want = references(export, max_tokens)
+    server = Server(export, "--slots", 4, "--max-pending", 8, "--max-model-len", 4096)
+    try:
+        client = OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=50, timeout=120)
+        model = client.models.list().data[0].id
+        assert model == "hf"
+
+        def one_client(index: int) -> list:
+            got = []
+            for k in range(3):
+                prompt = PROMPTS[(index + k) % len(PROMPTS)]
+                if (index + k) % 2:
+                    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                       temperature=0, stream=True,
+                                                       stream_options={"include_usage": True})
+                    chunks = list(stream)
+                    text = "".join(c.choices[0].text for c in chunks if c.choices)
+                    finish = chunks[-2].choices[0].finish_reason
+                    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == max_tokens
+                else:
+                    done = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+                    text, finish = done.choices[0].text, done.choices[0].finish_reason
+                    assert done.usage.completion_tokens == max_tokens
+                got.append((prompt, text, finish))
+            return got
+
+        rss = []
+        for wave in range(3):   # clients come and go: 32 at once, three times over
+            with ThreadPoolExecutor(32) as pool:
+                results = [r for rs in pool.map(one_client, range(32)) for r in rs]
+            assert len(results) == 96
+            for prompt, text, finish in results:
+                assert text == want[prompt] and finish == "length", (prompt, text, want[prompt])
+            rss.append(server.rss_mib())
+        # after the first wave has touched everything: flat (constant-size state slots)
+        assert rss[2] - rss[1] < 25, rss
+        health = server.get("/health")
+        assert health["pending"] == 0 and health["finished"] == {"length": 288}, health
+        # a client that goes away mid-stream: its sequence is cancelled, not decoded to the end
+        request = urllib.request.Request(server.url("/v1/completions"), data=json.dumps(
+            {"prompt": "The water cycle", "max_tokens": 3000, "temperature": 0, "stream": True}).encode())
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert r.readline().startswith(b"data: {")
+        deadline = time.time() + 30
+        while server.get("/health")["finished"].get("cancelled") != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.get("/health") == {"status": "ok", "pending": 0, "finished": {"length": 288, "cancelled": 1}}
+    finally:
+        server.stop()
+
+
+def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
+    want = references(export, 35)["The water cycle"]
+    server = Server(export, "--slots", 2, "--max-pending", 4, "--max-model-len", 40)
+    try:
+        for body, status, mention in [
+                (b"not json", 400, "the body is not JSON"),
+                ({"prompt": "Hi", "max_tokens": 100}, 400, "exceed this server's --max-model-len of 40"),
+                ({"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens=-1 is out of range"),
+                ({"prompt": ["a", "b"]}, 400, "prompt must be a string"),
+                ({"prompt": "Hi", "temperature": 3}, 400, "temperature=3 is out of range"),
+                ({"prompt": "Hi", "n": 2}, 400, "n=2 is not supported"),
+                ({"prompt": "Hi", "frobnicate": 1}, 400, "unknown field(s) frobnicate"),
+                ({"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options takes only"),
+                ({"prompt": ""}, 400, "prompt gives no tokens")]:
+            code, reply, _ = server.post(body)
+            assert code == status and mention in reply["error"]["message"], (body, code, reply)
+            assert reply["error"]["type"] == "invalid_request_error"
+        # a burst of 12 long requests at once: 4 are taken, the rest told to come back
+        with ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(lambda _: server.post({"prompt": "The water cycle", "max_tokens": 30,
+                                                           "temperature": 0}), range(12)))
+        codes = sorted(code for code, _, _ in replies)
+        assert codes.count(200) >= 4 and codes.count(503) >= 1 and set(codes) == {200, 503}, codes
+        busy = next((reply, headers) for code, reply, headers in replies if code == 503)
+        assert "retry later" in busy[0]["error"]["message"] and busy[1].get("Retry-After") == "1"
+        texts = {reply["choices"][0]["text"] for code, reply, _ in replies if code == 200}
+        assert len(texts) == 1   # every admitted one got the same (greedy) completion
+        # SIGTERM while two streams run: both finish whole, then the server exits 0
+        streams = []
+
+        def stream():
+            request = urllib.request.Request(server.url("/v1/completions"), data=json.dumps(
+                {"prompt": "The water cycle", "max_tokens": 35, "temperature": 0, "stream": True}).encode())
+            with urllib.request.urlopen(request, timeout=120) as r:
+                streams.append(r.read().decode())
+        threads = [threading.Thread(target=stream) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while server.get("/health")["pending"] < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        os.kill(server.process.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert server.process.wait(timeout=60) == 0, server.output()
+        assert len(streams) == 2
+        for body in streams:
+            events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+            assert body.rstrip().endswith("data: [DONE]")
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert "".join(e["choices"][0]["text"] for e in events) == want
+        log = server.output()
+        assert "draining 2 request(s)" in log and "megatron-id serve: stopped" in log, log
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_bad_options_before_loading(tmp_path, capsys):
+    from megatron_id.cli import main
+    for args, mention in [(["--slots", "0"], "--slots 0: at least 1"),
+                          (["--port", "70000"], "--port 70000 / --drain-timeout 30.0: a port up to 65535"),
+                          (["--max-model-len", "1"], "--max-model-len 1: at least 2")]:
+        assert main(["serve", "--checkpoint", str(tmp_path / "nope"), *args]) == 2, args
+        assert mention in capsys.readouterr().err
