@@ -235,8 +235,10 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
             last = step(token)
 
 
-def stream_text(tokenizer, ids: Iterator[int], out=sys.stdout) -> list[int]:
-    """Print the text of `ids` as it grows (whole characters only) and return the ids."""
+def stream_text(tokenizer, ids: Iterator[int], out=None) -> list[int]:
+    """Print the text of `ids` as it grows (whole characters only) to `out` (default: sys.stdout as
+    it is when called, not when this module was imported) and return the ids."""
+    out = sys.stdout if out is None else out
     done, printed = [], ""
     for token in ids:
         done.append(token)

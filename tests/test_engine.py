@@ -243,6 +243,8 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(fineweb_prefix, tm
         assert unchanged == was_skipped   # a skipped step leaves every weight as it was
     assert record[1][0] == record[1][0] and record[3][0] == record[3][0]   # finite losses around
     assert skipped == 2 and finite is True
+    if zero != 0:   # the stop after N in a row is the loop's, not the layout's: checked at ZeRO-0 (PP 1 and 2)
+        return
 
     second = tmp_path / "second"   # a new run never writes into another run's history
     items = [i for i in items if not i.startswith("train.save=")] + [f"train.save={second}"]
