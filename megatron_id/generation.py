@@ -190,6 +190,27 @@ def _copy_into(state, new) -> None:
 DECODES = ("eager", "static", "graph", "fused")
 
 
+def prefill(model: LanguageModel, prompt: list[int], chunk_size: int):
+    """(logits [1, chunk, V] of the last chunk, every layer's state) after `prompt`, run in chunks
+    of `chunk_size` tokens (memory bounded by the chunk)."""
+    tokens, states = torch.tensor([prompt], device=next(model.parameters()).device), None
+    for start in range(0, tokens.shape[1], chunk_size):
+        logits, states = model(tokens[:, start:start + chunk_size], states=states, return_states=True)
+    return logits, states
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:
+    """The next token from logits [V]: greedy at temperature 0, else softmax(logits / temperature)
+    over the top_k largest (0: all), drawn with `generator`."""
+    logits = logits.float()
+    if temperature <= 0:
+        return int(logits.argmax())
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+
+
 @torch.no_grad()
 def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *, eos_id: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, prefill_chunk_size: int = 2048,
@@ -204,9 +225,7 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
         raise BadOptionError(f"decode={decode!r}: expected one of {', '.join(DECODES)}.")
     check_options(max_new_tokens, temperature, top_k, prefill_chunk_size)
     device = next(model.parameters()).device
-    tokens, states = torch.tensor([prompt], device=device), None
-    for start in range(0, tokens.shape[1], prefill_chunk_size):
-        logits, states = model(tokens[:, start:start + prefill_chunk_size], states=states, return_states=True)
+    logits, states = prefill(model, prompt, prefill_chunk_size)
     last = logits[0, -1]
     step = None
     if decode == "fused":
@@ -217,14 +236,7 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
     elif decode != "eager":
         step = StaticDecodeStep(model, states, len(prompt), graph=decode == "graph")
     for _ in range(max_new_tokens):
-        last = last.float()
-        if temperature > 0:
-            if top_k > 0:
-                kth = torch.topk(last, min(top_k, last.numel())).values[-1]
-                last = last.masked_fill(last < kth, float("-inf"))
-            token = int(torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator))
-        else:
-            token = int(last.argmax())
+        token = sample(last, temperature, top_k, generator)
         yield token
         if token == eos_id:
             return

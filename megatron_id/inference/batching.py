@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import BadOptionError
+from ..generation import prefill, sample
 from .fused_decode import FusedDecoder
 
 
@@ -44,17 +45,6 @@ class Sequence:
     finish_reason: str | None = None                    # "stop" (end of document) or "length"
     slot: int | None = None
     cancelled: bool = False
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:
-    """The next token from logits [V] (greedy at temperature 0), as generation.generate_ids does."""
-    logits = logits.float()
-    if temperature <= 0:
-        return int(logits.argmax())
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
 
 
 class ContinuousBatcher:
@@ -125,10 +115,7 @@ class ContinuousBatcher:
     @torch.no_grad()
     def _admit(self, sequence: Sequence, slot: int, events: list) -> None:
         request = sequence.request
-        tokens, states = torch.tensor([request.prompt], device=self.device), None
-        for start in range(0, tokens.shape[1], self.prefill_chunk_size):
-            logits, states = self.model(tokens[:, start:start + self.prefill_chunk_size], states=states,
-                                        return_states=True)
+        logits, states = prefill(self.model, request.prompt, self.prefill_chunk_size)
         self.decoder.load(slot, states, len(request.prompt))
         sequence.slot = slot
         self.running[slot] = sequence

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..model.layers import rms_norm
+from ..model.layers import feature_map, rms_norm
 from ..model.mixers.interdomain import InterdomainMixer
 from ..model.mixers.softmax import SoftmaxAttention
 from ..ops.interdomain.ssm import contraction_vector, discretize, readout_gram, readout_scale
@@ -58,8 +58,10 @@ def _rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
 
 
-def _feature_map(x, eps: float = 1e-6):
-    return F.normalize(F.silu(x), dim=-1, eps=eps)   # model/layers.feature_map
+def _swiglu_residual(h, norm, eps, w13, w2):
+    """h + SwiGLU(RMSNorm(h)) with the SwiGLU's w1 and w3 as one matrix [w1 | w3]."""
+    a, b = (rms_norm(h, norm, eps) @ w13.T).chunk(2, dim=-1)
+    return h + (F.silu(a) * b) @ w2.T
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def fixed_state_mixer(x, rope, t: dict, s: _Static):
         turned = _rope(stack[:, :s.rotated], cos[:, None], sin[:, None])
         stack = turned if s.rotated == stack.shape[1] else torch.cat([turned, stack[:, s.rotated:]], 1)
     if s.mapped:
-        mapped = _feature_map(stack[:, :s.mapped])
+        mapped = feature_map(stack[:, :s.mapped])
         stack = mapped if s.mapped == stack.shape[1] else torch.cat([mapped, stack[:, s.mapped:]], 1)
     first = int(s.query)   # the key's place in the stack
     value = stack[:, first + 1] if not s.dual else y[:, C:C + t["kv_bias"][0].numel()].view(B, -1, Dh)
@@ -126,8 +128,7 @@ def fixed_state_mixer(x, rope, t: dict, s: _Static):
 def fixed_state_block(h, rope, t: dict, s: _Static):
     """The whole block (mixer and SwiGLU, with their norms and residuals): h [B, d] -> [B, d]."""
     h = h + fixed_state_mixer(rms_norm(h, t["mixer_norm"], s.eps[0]), rope, t, s)
-    a, b = (rms_norm(h, t["ffn_norm"], s.eps[2]) @ t["w13"].T).chunk(2, dim=-1)
-    return h + (F.silu(a) * b) @ t["w2"].T
+    return _swiglu_residual(h, t["ffn_norm"], s.eps[2], t["w13"], t["w2"])
 
 
 class _InterdomainLayer:
@@ -259,8 +260,7 @@ class _SoftmaxLayer:
         """The whole block: h [B, d] -> [B, d]."""
         mixer_norm, mixer_eps, ffn_norm, ffn_eps = self.norms
         h = h + self.mixer(rms_norm(h, mixer_norm, mixer_eps), rope, positions, lengths)
-        a, b = (rms_norm(h, ffn_norm, ffn_eps) @ self.w13.T).chunk(2, dim=-1)
-        return h + (F.silu(a) * b) @ self.w2.T
+        return _swiglu_residual(h, ffn_norm, ffn_eps, self.w13, self.w2)
 
     def mixer(self, x, rope, positions, lengths: list[int]):
         """x [B, d] (normalised) -> the attention's output [B, d]; positions [B] (this token's);
