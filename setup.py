@@ -14,6 +14,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_id", "megatron_id.*", "data_tools", "data_tools.*"]),
+    # the C++ source of the CPU decode kernel, built on first use (megatron_id/inference/cpu_kernel.py;
+    # ninja comes with deepspeed)
+    package_data={"megatron_id.inference": ["csrc/*.cpp"]},
     install_requires=[
         "torch>=2.3,<3",
         "numpy",

@@ -12,7 +12,9 @@ softmax KV cache holds L tokens). Each time is the median of --reps steps after 
 mixers run in the same process, one after the other, with the same thread count.
 
 Rows: interdomain "own" is InterdomainMixer.forward with a state (today's recurrent form),
-"fused" the fused step, "compiled" the same under torch.compile; softmax "own" is
+"fused" the fused step in torch ops, "C++" the fused step with its core as one C++ call
+(inference/cpu_kernel.py: what FusedDecoder takes on a CPU), "compiled" the torch ops under
+torch.compile; softmax "own" is
 SoftmaxAttention.forward with its KV cache (a concatenation per token), "fused" the fused step
 (a preallocated cache). The checks compare interdomain's best against softmax's best.
 """
@@ -36,7 +38,8 @@ if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):   # (they must
 import torch  # noqa: E402
 
 from megatron_id.config import load_config  # noqa: E402
-from megatron_id.inference.fused_decode import FusedDecoder, fixed_state_mixer  # noqa: E402
+from megatron_id.inference.fused_decode import (FusedDecoder, fixed_state_mixer,  # noqa: E402
+                                                fixed_state_mixer_kernel)
 from megatron_id.model import LanguageModel  # noqa: E402
 
 
@@ -85,8 +88,8 @@ def one_row(states, row: int) -> list:
     return out
 
 
-def fused_decoder(model, states, batch: int, L: int, compile: bool = False):
-    dec = FusedDecoder(model, slots=batch, capacity=L + 8, compile=compile)
+def fused_decoder(model, states, batch: int, L: int, compile: bool = False, kernel: str = "auto"):
+    dec = FusedDecoder(model, slots=batch, capacity=L + 8, compile=compile, kernel=kernel)
     for row in range(batch):
         dec.load(row, one_row(states, row), L)
     return dec
@@ -111,6 +114,10 @@ def layer_rows(batch: int, L: int, reps: int, compile: bool) -> dict:
             rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
             if mixer == "interdomain":
                 out[(mixer, "fused")] = timed(lambda: fixed_state_mixer(x, rope, fused.tensors, fused.static), reps)
+                kernel = fused_decoder(model, states, batch, L, kernel="cpp")
+                core = kernel.layers[0]
+                out[(mixer, "C++")] = timed(
+                    lambda: fixed_state_mixer_kernel(x, rope, core.tensors, core.static, kernel.core), reps)
                 if compile:
                     step = torch.compile(fixed_state_mixer, dynamic=False)
                     compiled = fused_decoder(model, states, batch, L, compile=True).layers[0]
@@ -133,9 +140,10 @@ def model_rows(L: int, reps: int, compile: bool) -> dict:
             own = [dict(s) for s in states]
             tok = token[:, None]
             out[(mixer, "own")] = timed(lambda: model(tok, states=own, return_states=True), reps)
-            ways = ["fused", "compiled"] if compile and mixer == "interdomain" else ["fused"]
+            ways = ["fused", "C++"] + (["compiled"] if compile else []) if mixer == "interdomain" else ["fused"]
             for way in ways:
-                dec = fused_decoder(model, states, 1, L, compile=way == "compiled")
+                dec = fused_decoder(model, states, 1, L, compile=way == "compiled",
+                                    kernel="cpp" if way == "C++" else "torch")
 
                 def step():
                     dec.step(token)
@@ -154,7 +162,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     prefixes = [512, 8192] if args.quick else [512, 2048, 8192, 16384]
     compile = not args.quick
-    ways = {"interdomain": ["own", "fused"] + (["compiled"] if compile else []), "softmax": ["own", "fused"]}
+    ways = {"interdomain": ["own", "fused", "C++"] + (["compiled"] if compile else []), "softmax": ["own", "fused"]}
     print(f"# decode step, 125M width (d 768, 12 heads, M 64), fp32, {args.threads} threads, "
           f"median of {args.reps} steps\n")
     print("## one layer's mixer: ms per step (tokens/s)\n")
@@ -171,7 +179,7 @@ def main() -> int:
             ratio = best[(batch, L)][1] / best[(batch, L)][0]
             print(f"| {batch} | {L:,} | " + " | ".join(cells) + f" | {ratio:.2f}x |", flush=True)
     print("\n## the whole 125M model (12 layers, GPT-2 vocabulary), batch 1: ms per token\n")
-    mways = {"interdomain": ["own", "fused"] + (["compiled"] if compile else []), "softmax": ["own", "fused"]}
+    mways = ways
     mhead = [f"{m} {w}" for m, ws in mways.items() for w in ws]
     print("| prefix | " + " | ".join(mhead) + " |")
     print("|---|" + "---|" * len(mhead))

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # The Triton kernels (ops/interdomain/triton_chunked.py) run under Triton's CPU interpreter in
 # the tests; the flag is read when the kernels are defined, so it is set before any import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The fused decode step's C++ kernel (megatron_id/inference/cpu_kernel.py) is built into a folder
+# of this session, not the user's cache, so that every run proves it builds from source (~10 s,
+# once: subprocesses inherit the folder, and those that import this file make none of their own).
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="megatron-id-extensions-")
+    atexit.register(shutil.rmtree, os.environ["TORCH_EXTENSIONS_DIR"], ignore_errors=True)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

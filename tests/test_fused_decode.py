@@ -42,15 +42,18 @@ def rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_step_equals_the_models_decode_and_the_whole_sequence(case):
+def test_fused_step_equals_the_models_decode_and_the_whole_sequence(case, kernel):
+    """Both ways of running the fixed-state core: the C++ kernel and its torch reference."""
     model = tiny(CASES[case])
     g = torch.Generator().manual_seed(0)
     prompt, new = torch.randint(0, VOCAB, (1, 13), generator=g), torch.randint(0, VOCAB, (1, 6), generator=g)
     with torch.no_grad():
         whole = model(torch.cat([prompt, new], 1))[0, 13:]                      # the chunked form
         _, states = model(prompt, return_states=True)
-        decoder = FusedDecoder(model, slots=3, capacity=32)
+        decoder = FusedDecoder(model, slots=3, capacity=32, kernel=kernel)
+        assert decoder.kernel == ("torch" if case == "softmax" else kernel)
         decoder.load(1, states, 13)                                            # the middle slot
         for t in range(6):
             own, states = model(new[:, t:t + 1], states=states, return_states=True)
@@ -137,3 +140,42 @@ def test_what_the_fused_step_cannot_take_is_refused():
     interdomain.layers[0].mixer = Toy()
     with pytest.raises(FusedDecodeError, match=r"layer 0's mixer \(Toy\) has no fused decode step"):
         FusedDecoder(interdomain)
+
+
+def test_the_kernel_choice_falls_back_or_refuses_with_the_reason(monkeypatch):
+    """kernel='auto' takes the torch ops where the C++ core does not apply (compile, bf16) or cannot
+    be built; kernel='cpp' refuses there, naming why; a failed build warns with its cause."""
+    from megatron_id.inference import cpu_kernel
+    model = tiny([], layers=1)
+    assert FusedDecoder(model).kernel == "cpp"
+    assert FusedDecoder(model, compile=True).kernel == "torch"
+    with pytest.raises(FusedDecodeError, match="kernel='cpp' is not available here: compile=True"):
+        FusedDecoder(model, compile=True, kernel="cpp")
+    bf16 = tiny([], dtype=torch.bfloat16, layers=1)
+    assert FusedDecoder(bf16).kernel == "torch"
+    with pytest.raises(FusedDecodeError, match="the model is torch.bfloat16, not float32 or float64"):
+        FusedDecoder(bf16, kernel="cpp")
+    with pytest.raises(FusedDecodeError, match="kernel='fast': one of auto, cpp, torch"):
+        FusedDecoder(model, kernel="fast")
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension: g++: not found")
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with pytest.warns(UserWarning, match="could not be built .*g\\+\\+: not found.*torch ops instead"):
+        assert cpu_kernel.fixed_state_step_kernel.__wrapped__() is None
+    monkeypatch.setattr(cpu_kernel, "fixed_state_step_kernel", lambda: None)
+    assert FusedDecoder(model).kernel == "torch"
+    with pytest.raises(FusedDecodeError, match="the C\\+\\+ kernel could not be built"):
+        FusedDecoder(model, kernel="cpp")
+
+
+def test_the_kernel_names_a_tensor_it_cannot_take():
+    """The C++ core checks its inputs (a caller outside FusedDecoder gets the tensor's name)."""
+    model = tiny([], layers=1)
+    decoder = FusedDecoder(model, kernel="cpp")
+    t, s = decoder.layers[0].tensors, decoder.layers[0].static
+    x = torch.zeros(1, model.layers[0].mixer.o_proj.weight.shape[0], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="state must be contiguous, on the CPU and Double .* not contiguous"):
+        decoder.core(x @ t["w_in"].T, t["conv_tail"], t["conv_w"], t["conv_b"], None, None, t["kv_norm"],
+                     t["kv_bias"], t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"],
+                     t["state"].transpose(-1, -2), 0, s.mapped, s.query, s.dual, s.gate, s.eps[1])

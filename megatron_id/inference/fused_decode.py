@@ -25,6 +25,10 @@ the stacked [Re X; Im X] layout needed five passes and twice the time):
 The projections that read the same input are one matrix ([q | k | v | g], FFN's [w1 | w3]),
 the short convs of a layer one depthwise tap sum over a [B, C, K] window, and RoPE's angles are
 computed once per step for all layers.
+
+On a CPU (float32/float64) everything between a fixed-state layer's two matrix products runs as
+one C++ call (inference/cpu_kernel.py, csrc/fixed_state_step.cpp: the state read and written
+once); fixed_state_mixer below is its reference and the path elsewhere (GPU, bf16, compile).
 """
 from __future__ import annotations
 
@@ -125,9 +129,21 @@ def fixed_state_mixer(x, rope, t: dict, s: _Static):
     return o @ t["o_proj"].T
 
 
-def fixed_state_block(h, rope, t: dict, s: _Static):
-    """The whole block (mixer and SwiGLU, with their norms and residuals): h [B, d] -> [B, d]."""
-    h = h + fixed_state_mixer(rms_norm(h, t["mixer_norm"], s.eps[0]), rope, t, s)
+def fixed_state_mixer_kernel(x, rope, t: dict, s: _Static, kernel):
+    """fixed_state_mixer with everything between its two matrix products (conv, RoPE, feature
+    maps, norms, the state update and the readout) as one C++ call (inference/cpu_kernel.py)."""
+    cos, sin = rope if s.rotated else (None, None)
+    o = kernel(x @ t["w_in"].T, t["conv_tail"], t["conv_w"], t["conv_b"], cos, sin, t["kv_norm"], t["kv_bias"],
+               t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"] if s.query else t["e2"], t["state"],
+               s.rotated, s.mapped, s.query, s.dual, s.gate, s.eps[1])
+    return o @ t["o_proj"].T
+
+
+def fixed_state_block(h, rope, t: dict, s: _Static, kernel=None):
+    """The whole block (mixer and SwiGLU, with their norms and residuals): h [B, d] -> [B, d];
+    kernel: the C++ core (cpu_kernel.fixed_state_step_kernel()), None for the torch ops."""
+    x = rms_norm(h, t["mixer_norm"], s.eps[0])
+    h = h + (fixed_state_mixer(x, rope, t, s) if kernel is None else fixed_state_mixer_kernel(x, rope, t, s, kernel))
     return _swiglu_residual(h, t["ffn_norm"], s.eps[2], t["w13"], t["w2"])
 
 
@@ -182,7 +198,7 @@ class _InterdomainLayer:
         else:
             e = contraction_vector(c_re, c_im, mixer.c_vec.detach().double())
             t["e2"] = torch.cat([e.real, -e.imag], -1)[:, order][:, :, None].to(sdt)   # [H, 2M, 1]
-        t = {k: v.to(device) for k, v in t.items()}
+        t = {k: v.to(device).contiguous() for k, v in t.items()}   # (.real is a strided view)
         t["conv_tail"] = torch.zeros(slots, self.static.conv_channels, t["conv_w"].shape[-1] - 1, dtype=self.dtype,
                                      device=device)
         t["state"] = torch.zeros(slots, H, 2 * Dh, 2 * M, dtype=sdt, device=device)
@@ -295,11 +311,19 @@ class FusedDecoder:
     capacity: the most tokens (prompt + generated) a sequence may reach, for the KV caches of
     softmax layers (hybrids); fixed-state models need none. compile: the interdomain / S4D-only
     blocks through torch.compile (one compiled function for all of them; the first step
-    compiles, seconds to a minute)."""
+    compiles, seconds to a minute). kernel: how the interdomain / S4D-only core runs: "cpp" one
+    C++ call per layer (inference/cpu_kernel.py; CPU, float32/float64, built on first use),
+    "torch" the torch ops, "auto" (the default) "cpp" where it applies and builds, else "torch";
+    `self.kernel` says which was taken."""
 
-    def __init__(self, model, slots: int = 1, capacity: int | None = None, compile: bool = False):
+    KERNELS = ("auto", "cpp", "torch")
+
+    def __init__(self, model, slots: int = 1, capacity: int | None = None, compile: bool = False,
+                 kernel: str = "auto"):
         if slots < 1:
             raise FusedDecodeError(f"slots={slots}: at least 1.")
+        if kernel not in self.KERNELS:
+            raise FusedDecodeError(f"kernel={kernel!r}: one of {', '.join(self.KERNELS)}.")
         why = fused_decode_refusal(model)
         if why:
             raise FusedDecodeError(f"{why}: decode this model with the model's own step (decode='eager').")
@@ -308,6 +332,7 @@ class FusedDecoder:
         self.layers = [_SoftmaxLayer(block, slots, capacity) if isinstance(block.mixer, SoftmaxAttention)
                        else _InterdomainLayer(block, slots, real_update=compile) for block in model.layers]
         self.block = torch.compile(fixed_state_block, dynamic=False) if compile else fixed_state_block
+        self.core, self.kernel = self._kernel(kernel, device, model.lm_head.weight.dtype, compile)
         # RoPE's inverse frequencies, one table per (head dim, theta) in use
         self.rope_tables = {}
         for layer in self.layers:
@@ -320,6 +345,24 @@ class FusedDecoder:
         self.embed, self.lm_head = model.embed.weight.detach(), model.lm_head.weight.detach()
         self.norm_w, self.norm_eps = model.norm.weight.detach(), model.norm.eps
         self.unbounded = any(isinstance(layer, _SoftmaxLayer) and layer.window is None for layer in self.layers)
+
+    def _kernel(self, wanted: str, device, dtype, compile: bool):
+        """(the C++ core or None, "cpp" or "torch") for kernel=`wanted`."""
+        if wanted == "torch" or not any(isinstance(layer, _InterdomainLayer) for layer in self.layers):
+            return None, "torch"
+        why = ("compile=True runs the torch ops through torch.compile" if compile else
+               f"the model is on {device.type}, not the CPU" if device.type != "cpu" else
+               f"the model is {dtype}, not float32 or float64" if dtype not in (torch.float32, torch.float64)
+               else None)
+        if why is None:
+            from .cpu_kernel import fixed_state_step_kernel
+            core = fixed_state_step_kernel()
+            if core is not None:
+                return core, "cpp"
+            why = "the C++ kernel could not be built (the warning above says why)"
+        if wanted == "cpp":
+            raise FusedDecodeError(f"kernel='cpp' is not available here: {why}; use kernel='auto' or 'torch'.")
+        return None, "torch"
 
     def load(self, slot: int, states: list, position: int) -> None:
         """Put a prefilled sequence into `slot`: `states` from model(prompt, return_states=True)
@@ -383,7 +426,7 @@ class FusedDecoder:
                 seen = lengths if layer.window is None else [min(m, layer.window) for m in lengths]
                 h = layer(h, angles, positions, seen)
             else:
-                h = self.block(h, angles, layer.first(n), layer.static)
+                h = self.block(h, angles, layer.first(n), layer.static, self.core)
         positions += 1
         self.lengths[:n] = lengths
         return rms_norm(h, self.norm_w, self.norm_eps) @ self.lm_head.T

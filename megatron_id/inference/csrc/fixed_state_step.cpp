@@ -1,0 +1,203 @@
+// The fused decode step's core for interdomain / S4D-only layers on a CPU, in one call: from the
+// input projection's output y to the mixer output before o_proj, for one token of every slot
+// (megatron_id/inference/fused_decode.py, fixed_state_mixer, is the reference this is tested
+// against, in float64 to 1e-10: tests/test_fused_decode.py).
+//
+// Why: at short prefixes a decode step on a CPU is bound by per-op overhead (~40 small torch ops
+// between the two matrix products of a layer), not by arithmetic; here they are one call, and
+// the state is read and written once: each (slot, head) updates its key rows while accumulating
+// the query's product with them, applies the Gram form G2, then updates its value rows while
+// reading them out (the readout uses the updated state, as the model does).
+//
+// State layout (as fused_decode.py): S [B, H, P, 2M], Re and Im of each mode side by side.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline T silu(T x) { return x / (T(1) + std::exp(-x)); }
+
+// one row of the state: X <- lambda X + bbar z (complex, interleaved), z real
+template <typename T>
+inline void update_row(T* __restrict row, const T* __restrict lr, const T* __restrict li,
+                       const T* __restrict br, const T* __restrict bi, T z, int64_t M) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T re = row[2 * m], im = row[2 * m + 1];
+    row[2 * m] = lr[m] * re - li[m] * im + br[m] * z;
+    row[2 * m + 1] = li[m] * re + lr[m] * im + bi[m] * z;
+  }
+}
+
+template <typename T>
+void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, const at::Tensor& conv_b,
+          const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin, const at::Tensor& kv_norm,
+          const at::Tensor& kv_bias, const at::Tensor& lam_re, const at::Tensor& lam_im, const at::Tensor& bbar_re,
+          const at::Tensor& bbar_im, const at::Tensor& readout, at::Tensor& state, int64_t rotated,
+          int64_t mapped, bool query, bool dual, bool gate, double norm_eps, at::Tensor& out) {
+  const int64_t B = y.size(0), Y = y.size(1), C = conv_w.size(0), K = conv_w.size(1);
+  const int64_t H = kv_bias.size(1), Dh = kv_bias.size(2), M = lam_re.size(-1), M2 = 2 * M;
+  const int64_t P = state.size(2), pieces = C / (H * Dh), first = query ? 1 : 0;
+  const int64_t out_width = query ? P - Dh : P;   // per head: Dv (readout) or P (contraction)
+  const T* yp = y.data_ptr<T>();
+  T* tail = conv_tail.data_ptr<T>();
+  const T *cw = conv_w.data_ptr<T>(), *cb = conv_b.data_ptr<T>();
+  const T* cosp = rotated ? cos->data_ptr<T>() : nullptr;
+  const T* sinp = rotated ? sin->data_ptr<T>() : nullptr;
+  const T *kn = kv_norm.data_ptr<T>(), *kb = kv_bias.data_ptr<T>();
+  const T *lr = lam_re.data_ptr<T>(), *li = lam_im.data_ptr<T>();
+  const T *br = bbar_re.data_ptr<T>(), *bi = bbar_im.data_ptr<T>();
+  const T* G = readout.data_ptr<T>();
+  T* S = state.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const T eps = static_cast<T>(norm_eps);
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> work(pieces * Dh + 2 * Dh + 2 * M2);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H, h = task % H;
+      T* piece = work.data();              // [pieces, Dh]: this head's convolved projections
+      T* z = piece + pieces * Dh;          // [2 Dh]: key, value
+      T* u = z + 2 * Dh;                   // [2M]
+      T* w = u + M2;                       // [2M]
+      const T* yb = yp + b * Y;
+      // the short causal conv of this head's channels (the tail holds the previous K-1 inputs)
+      for (int64_t p = 0; p < pieces; ++p) {
+        for (int64_t d = 0; d < Dh; ++d) {
+          const int64_t c = p * H * Dh + h * Dh + d;
+          T* t = tail + (b * C + c) * (K - 1);
+          const T* wc = cw + c * K;
+          T acc = cb[c] + yb[c] * wc[K - 1];
+          for (int64_t i = 0; i < K - 1; ++i) acc += t[i] * wc[i];
+          for (int64_t i = 0; i + 1 < K - 1; ++i) t[i] = t[i + 1];
+          if (K > 1) t[K - 2] = yb[c];
+          piece[p * Dh + d] = acc;
+        }
+      }
+      // RoPE (half-split layout) on the first `rotated` pieces
+      const int64_t half = Dh / 2;
+      for (int64_t p = 0; p < rotated; ++p) {
+        T* x = piece + p * Dh;
+        for (int64_t d = 0; d < half; ++d) {
+          const T c = cosp[b * half + d], s = sinp[b * half + d], x1 = x[d], x2 = x[d + half];
+          x[d] = x1 * c - x2 * s;
+          x[d + half] = x2 * c + x1 * s;
+        }
+      }
+      // the feature map SiLU(x) / max(||SiLU(x)||, 1e-6) on the first `mapped` pieces
+      for (int64_t p = 0; p < mapped; ++p) {
+        T* x = piece + p * Dh;
+        T sq = 0;
+        for (int64_t d = 0; d < Dh; ++d) {
+          x[d] = silu(x[d]);
+          sq += x[d] * x[d];
+        }
+        const T scale = T(1) / std::max(std::sqrt(sq), T(1e-6));
+        for (int64_t d = 0; d < Dh; ++d) x[d] *= scale;
+      }
+      // key and value, each RMS-normalised with its weight, plus its per-head bias
+      const T* value = dual ? yb + C + h * Dh : piece + (first + 1) * Dh;
+      for (int64_t d = 0; d < Dh; ++d) {
+        z[d] = piece[first * Dh + d];
+        z[Dh + d] = value[d];
+      }
+      for (int64_t i = 0; i < 2; ++i) {
+        T* x = z + i * Dh;
+        T sq = 0;
+        for (int64_t d = 0; d < Dh; ++d) sq += x[d] * x[d];
+        const T r = T(1) / std::sqrt(sq / T(Dh) + eps);
+        for (int64_t d = 0; d < Dh; ++d) x[d] = x[d] * r * kn[i * Dh + d] + kb[(i * H + h) * Dh + d];
+      }
+      const T *lrh = lr + h * M, *lih = li + h * M, *brh = br + h * M, *bih = bi + h * M;
+      T* Sh = S + (b * H + h) * P * M2;
+      T* oh = o + b * H * out_width + h * out_width;
+      if (query) {
+        // u = q S_k (the updated key rows), w = u G2, o = S_v w (the updated value rows)
+        const T* q = piece;
+        for (int64_t n = 0; n < M2; ++n) u[n] = 0;
+        for (int64_t j = 0; j < Dh; ++j) {
+          T* row = Sh + j * M2;
+          update_row(row, lrh, lih, brh, bih, z[j], M);
+          const T qj = q[j];
+          for (int64_t n = 0; n < M2; ++n) u[n] += qj * row[n];
+        }
+        const T* Gh = G + h * M2 * M2;
+        for (int64_t n = 0; n < M2; ++n) w[n] = 0;
+        for (int64_t m = 0; m < M2; ++m) {
+          const T um = u[m];
+          const T* g = Gh + m * M2;
+          for (int64_t n = 0; n < M2; ++n) w[n] += um * g[n];
+        }
+        for (int64_t i = 0; i < out_width; ++i) {
+          T* row = Sh + (Dh + i) * M2;
+          update_row(row, lrh, lih, brh, bih, z[Dh + i], M);
+          T acc = 0;
+          for (int64_t n = 0; n < M2; ++n) acc += row[n] * w[n];
+          oh[i] = acc;
+        }
+      } else {
+        // the contraction readout o = Re(e^T X): one dot per updated row
+        const T* e = G + h * M2;
+        for (int64_t j = 0; j < P; ++j) {
+          T* row = Sh + j * M2;
+          update_row(row, lrh, lih, brh, bih, z[j], M);
+          T acc = 0;
+          for (int64_t n = 0; n < M2; ++n) acc += row[n] * e[n];
+          oh[j] = acc;
+        }
+      }
+      if (gate) {
+        const T* g = yb + Y - H * out_width + h * out_width;
+        for (int64_t i = 0; i < out_width; ++i) oh[i] *= silu(g[i]);
+      }
+    }
+  });
+}
+
+at::Tensor fixed_state_step(const at::Tensor& y, at::Tensor conv_tail, const at::Tensor& conv_w,
+                            const at::Tensor& conv_b, const c10::optional<at::Tensor>& cos,
+                            const c10::optional<at::Tensor>& sin, const at::Tensor& kv_norm, const at::Tensor& kv_bias,
+                            const at::Tensor& lam_re, const at::Tensor& lam_im, const at::Tensor& bbar_re,
+                            const at::Tensor& bbar_im, const at::Tensor& readout, at::Tensor state, int64_t rotated,
+                            int64_t mapped, bool query, bool dual, bool gate, double norm_eps) {
+  const auto dtype = y.scalar_type();
+  const at::Tensor* tensors[] = {&y, &conv_tail, &conv_w, &conv_b, &kv_norm, &kv_bias, &lam_re, &lam_im,
+                                 &bbar_re, &bbar_im, &readout, &state};
+  const char* names[] = {"y", "conv_tail", "conv_w", "conv_b", "kv_norm", "kv_bias", "lam_re", "lam_im",
+                         "bbar_re", "bbar_im", "readout", "state"};
+  for (int i = 0; i < 12; ++i) {
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "fixed_state_step: ",
+                names[i], " must be contiguous, on the CPU and ", dtype, " (as y); it is ", t.scalar_type(),
+                " on ", t.device(), t.is_contiguous() ? "" : ", not contiguous");
+  }
+  TORCH_CHECK(!rotated || (cos && sin && cos->is_contiguous() && sin->is_contiguous() &&
+                           cos->scalar_type() == dtype && sin->scalar_type() == dtype),
+              "fixed_state_step: RoPE needs contiguous cos and sin [B, Dh/2] of the model's dtype");
+  const int64_t H = kv_bias.size(1), Dh = kv_bias.size(2), P = state.size(2);
+  auto out = at::empty({y.size(0), H * (query ? P - Dh : P)}, y.options());
+  if (dtype == at::kFloat) {
+    step<float>(y, conv_tail, conv_w, conv_b, cos, sin, kv_norm, kv_bias, lam_re, lam_im, bbar_re, bbar_im, readout,
+                state, rotated, mapped, query, dual, gate, norm_eps, out);
+  } else if (dtype == at::kDouble) {
+    step<double>(y, conv_tail, conv_w, conv_b, cos, sin, kv_norm, kv_bias, lam_re, lam_im, bbar_re, bbar_im, readout,
+                 state, rotated, mapped, query, dual, gate, norm_eps, out);
+  } else {
+    TORCH_CHECK(false, "fixed_state_step: float32 or float64, not ", dtype);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megatron_id, m) {
+  m.def("fixed_state_step(Tensor y, Tensor(a!) conv_tail, Tensor conv_w, Tensor conv_b, Tensor? cos, Tensor? sin, "
+        "Tensor kv_norm, Tensor kv_bias, Tensor lam_re, Tensor lam_im, Tensor bbar_re, Tensor bbar_im, "
+        "Tensor readout, Tensor(b!) state, int rotated, int mapped, bool query, bool dual, bool gate, "
+        "float norm_eps) -> Tensor");
+  m.impl("fixed_state_step", c10::DispatchKey::CPU, TORCH_FN(fixed_state_step));
+}
