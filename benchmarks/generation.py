@@ -1,8 +1,9 @@
 """Generation: decode latency per token against the prefix length, and peak prefill memory with
 and without chunked prefill.
 
-    python benchmarks/generation.py            # ~8 minutes on 2 cores
+    python benchmarks/generation.py            # ~11 minutes on 2 cores
     python benchmarks/generation.py --server   # only the server and memory-per-sequence rows (~3 minutes)
+    python benchmarks/generation.py --batched  # only the batched fused-step rows (~3 minutes)
 
 Model: a small width (d 256, 4 heads, 4 layers, M 64, GPT-2 vocabulary), random weights (latency
 and memory do not depend on the values), batch 1, fp32, on this CPU with 2 threads. Each cell
@@ -11,6 +12,9 @@ runs in a fresh process (so peak RSS is its own):
            (one token each, the model's own state / KV cache); the median per token.
   prefill  a 16K-token prompt in one call vs chunks of 1,024 tokens; peak RSS of the process
            (CUDA: max allocated), minus the RSS after building the model.
+  batched  the fused step that `generate` and the server decode with (FusedDecoder, its default
+           kernel), batch 1 / 8 / 32 after a prefix of 256 to 16K tokens (one real prefill per
+           prefix, loaded into every slot): ms per step and tokens/s, the median of 12 steps
   server   `megatron-id serve` on the model exported (32 slots), N concurrent clients sending
            greedy completions: generated tokens per second of wall time, and the server's RSS;
            then what one sequence's slot holds in the fused step at 1K-16K tokens of context.
@@ -96,6 +100,46 @@ def export_random(mixer: str, folder: Path) -> Path:
     return export_hf(checkpoint, folder)
 
 
+def batched_rows(prefixes=(256, 1024, 4096, 16384), batches=(1, 8, 32), steps: int = 12) -> None:
+    """ms per step of the fused step at batch B after a prefix of L tokens (every slot at L)."""
+    import torch
+    from megatron_id.inference.fused_decode import FusedDecoder
+    torch.set_num_threads(2)
+    print("\n## the fused decode step (what `generate` and `serve` run), 4 layers, d 256: ms per step "
+          f"(tokens/s), median of {steps} steps\n")
+    print("| prefix | batch | " + " | ".join(MIXERS) + " | interdomain / softmax tokens/s |")
+    print("|---|---|" + "---|" * (len(MIXERS) + 1))
+    results = {}
+    for mixer in MIXERS:
+        model = build(mixer)
+        tokens = torch.randint(0, 50257, (1, max(prefixes)), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            states, done = None, 0
+            for L in prefixes:   # the prefill grows from one prefix to the next
+                for start in range(done, L, 2048):
+                    _, states = model(tokens[:, start:min(start + 2048, L)], states=states, return_states=True)
+                done = L
+                decoder = FusedDecoder(model, slots=max(batches), capacity=L + steps + 8)
+                for slot in range(max(batches)):
+                    decoder.load(slot, states, L)
+                for B in batches:
+                    step = torch.zeros(B, dtype=torch.long)
+                    times = []
+                    for _ in range(steps + 2):
+                        start = time.perf_counter()
+                        decoder.step(step)
+                        times.append(time.perf_counter() - start)
+                        decoder.positions[:B] -= 1   # stay at L: a softmax step's cost grows with it
+                        decoder.lengths[:B] = [L] * B
+                    results[(mixer, L, B)] = statistics.median(times[2:])
+                del decoder
+    for L in prefixes:
+        for B in batches:
+            cells = [f"{results[(m, L, B)] * 1e3:.2f} ({B / results[(m, L, B)]:,.0f})" for m in MIXERS]
+            ratio = results[("softmax", L, B)] / results[("interdomain", L, B)]
+            print(f"| {L:,} | {B} | " + " | ".join(cells) + f" | {ratio:.2f}x |", flush=True)
+
+
 def slot_bytes(mixer: str, context: int) -> int:
     """What one sequence holds in the fused step's buffers at `context` tokens (its slot)."""
     from megatron_id.inference.fused_decode import FusedDecoder
@@ -177,6 +221,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--server"]:   # only the server and memory-per-sequence rows (~3 minutes)
         server_rows()
         return
+    if sys.argv[1:2] == ["--batched"]:
+        batched_rows()
+        return
     print("## decode latency per token (4 layers, d 256, batch 1, median of 28 steps)\n")
     print("| prefix | " + " | ".join(MIXERS) + " |")
     print("|---|" + "---|" * len(MIXERS))
@@ -189,6 +236,7 @@ def main() -> None:
     for m in MIXERS:
         full, chunked = run("prefill", m, 16384, 16384), run("prefill", m, 16384, 1024)
         print(f"| {m} | {full['peak_mib']:,.0f} MiB | {chunked['peak_mib']:,.0f} MiB |", flush=True)
+    batched_rows()
     server_rows()
 
 
