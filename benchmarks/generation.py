@@ -14,7 +14,7 @@ runs in a fresh process (so peak RSS is its own):
            (CUDA: max allocated), minus the RSS after building the model.
   batched  the fused step that `generate` and the server decode with (FusedDecoder, its default
            kernel), batch 1 / 8 / 32 after a prefix of 256 to 16K tokens (one real prefill per
-           prefix, loaded into every slot): ms per step and tokens/s, the median of 12 steps
+           prefix, loaded into every slot): ms per step and tokens/s, the median of 20 steps
   server   `megatron-id serve` on the model exported (32 slots), N concurrent clients sending
            greedy completions: generated tokens per second of wall time, and the server's RSS;
            then what one sequence's slot holds in the fused step at 1K-16K tokens of context.
@@ -100,7 +100,7 @@ def export_random(mixer: str, folder: Path) -> Path:
     return export_hf(checkpoint, folder)
 
 
-def batched_rows(prefixes=(256, 1024, 4096, 16384), batches=(1, 8, 32), steps: int = 12) -> None:
+def batched_rows(prefixes=(256, 1024, 4096, 16384), batches=(1, 8, 32), steps: int = 20) -> None:
     """ms per step of the fused step at batch B after a prefix of L tokens (every slot at L)."""
     import torch
     from megatron_id.inference.fused_decode import FusedDecoder
@@ -218,6 +218,8 @@ def main() -> None:
         kind, mixer, n, chunk = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
         print(json.dumps(cell(kind, mixer, n, chunk)))
         return
+    if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):   # read when malloc starts
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
     if sys.argv[1:2] == ["--server"]:   # only the server and memory-per-sequence rows (~3 minutes)
         server_rows()
         return
