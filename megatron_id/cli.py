@@ -239,6 +239,9 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise BadOptionError(f"--prompt {args.prompt!r} gives no tokens: give a prompt with some text.")
     decode = "graph" if args.cuda_graph else ("eager" if args.decode == "eager" or unfused else "fused")
+    if decode == "fused" and next(model.parameters()).device.type == "cpu":
+        from .inference.cpu_kernel import fixed_state_step_kernel
+        fixed_state_step_kernel()   # built (once) before the prompt is echoed, so its message comes first
     sys.stdout.write(args.prompt)
     stream_text(tokenizer, generate_ids(
         model, prompt, args.max_new_tokens, eos_id=eos_id,

@@ -179,3 +179,21 @@ def test_the_kernel_names_a_tensor_it_cannot_take():
         decoder.core(x @ t["w_in"].T, t["conv_tail"], t["conv_w"], t["conv_b"], None, None, t["kv_norm"],
                      t["kv_bias"], t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"],
                      t["state"].transpose(-1, -2), 0, s.mapped, s.query, s.dual, s.gate, s.eps[1])
+
+
+def test_the_first_build_says_so_before_its_pause(monkeypatch, tmp_path, capsys):
+    """A build (~10 s, silent in torch) is announced on stderr; a cached one is not."""
+    import warnings
+    from megatron_id.inference import cpu_kernel
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: None)   # no real build here
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # (whether the op is registered depends on the tests before)
+        cpu_kernel.fixed_state_step_kernel.__wrapped__()
+        assert f"building the fused decode step's CPU kernel (once, ~10 s; cached under {tmp_path})" in \
+            capsys.readouterr().err
+        name = cpu_kernel.module_name(cpu_kernel._flags())
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+        cpu_kernel.fixed_state_step_kernel.__wrapped__()
+        assert "building" not in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -29,6 +30,10 @@ def _flags() -> list[str]:
     return flags
 
 
+def module_name(flags: list[str]) -> str:
+    return "megatron_id_fixed_state_step" + ("_avx2" if "-mavx2" in flags else "")
+
+
 @functools.lru_cache(maxsize=None)
 def fixed_state_step_kernel():
     """torch.ops.megatron_id.fixed_state_step, built (or loaded from the cache) once per process;
@@ -39,7 +44,13 @@ def fixed_state_step_kernel():
         from torch.utils import cpp_extension
 
         flags = _flags()
-        name = "megatron_id_fixed_state_step" + ("_avx2" if "-mavx2" in flags else "")
+        name = module_name(flags)
+        # say so before the first build's silent ~10 s pause (torch keeps its builds in root/name,
+        # or root/<python and CUDA version>/name under the default root)
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+        if not any(root.glob(f"{name}/{name}.so")) and not any(root.glob(f"*/{name}/{name}.so")):
+            print(f"megatron-id: building the fused decode step's CPU kernel (once, ~10 s; cached under {root})",
+                  file=sys.stderr, flush=True)
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
         return torch.ops.megatron_id.fixed_state_step
