@@ -1,5 +1,5 @@
 """The fused decode step's fixed-state core as one C++ call on a CPU (csrc/fixed_state_step.cpp),
-built on first use with torch.utils.cpp_extension (a C++ compiler and ninja; ~30 s once, then
+built on first use with torch.utils.cpp_extension (a C++ compiler and ninja; ~10 s once, then
 cached in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default).
 
 Why a kernel: at a short prefix a CPU decode step is bound by op overhead, not arithmetic: the
