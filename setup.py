@@ -16,7 +16,8 @@ setup(
     packages=find_packages(include=["megatron_id", "megatron_id.*", "data_tools", "data_tools.*"]),
     # the C++ source of the CPU decode kernel, built on first use (megatron_id/inference/cpu_kernel.py;
     # ninja comes with deepspeed)
-    package_data={"megatron_id.inference": ["csrc/*.cpp"]},
+    # and the data path's blend-index helper (megatron_id/data/native.py: cc, on first use)
+    package_data={"megatron_id.inference": ["csrc/*.cpp"], "megatron_id.data": ["csrc/*.c"]},
     install_requires=[
         "torch>=2.3,<3",
         "numpy",
@@ -45,8 +46,13 @@ setup(
         "wandb": ["wandb>=0.19,<1"],
         # megatron-id serve (tested with aiohttp 3.14; its load test drives it with the openai client)
         "serve": ["aiohttp>=3.9,<4"],
+        # megatron-core: the reference benchmarks/data_scale.py measures our index build against (its
+        # GPTDataset/BlendedDataset on the same files); its Linux wheels (cp310-cp313, x86_64 and aarch64)
+        # carry the compiled C++ helpers and need only torch>=2.6, numpy and packaging. No macOS wheel
+        # (the sdist would compile), hence the marker; the benchmark runs our side alone without it.
         "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval==0.4.13",
-                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1", "aiohttp>=3.9,<4", "openai>=1.0"],
+                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1", "aiohttp>=3.9,<4", "openai>=1.0",
+                 "megatron-core==0.16.1; platform_system == 'Linux'"],
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         tiny = items_for(prefix, TINY, "softmax", 1, 1, 1, 0, args.steps)
         tiny_cfg = load_config([], tiny)
         tiny_terms = stage_memory(tiny_cfg, training_layout(tiny_cfg, 1), 0, 0, checkpointing=False,
-                                  overhead=0)["total"]
+                                  overhead=0, touched_only=True)["total"]
         overhead = run(tiny, 1, args.steps)[0][0] - tiny_terms
         print(f"per-process overhead (tiny model, measured once, less its {tiny_terms / 2**20:.0f} MiB "
               f"of model terms): {overhead / 2**20:.0f} MiB")

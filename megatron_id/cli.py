@@ -393,13 +393,13 @@ def cmd_plan(args) -> int:
     if args.top:
         rows = rows[:args.top]
     header = ("TP", "PP", "DP", "ZeRO", "mb", "GA", "ckpt", "weights", "grads", "optim", "zero-buf",
-              "activ", "total GiB", "fits", "comm DP", "comm TP", "comm PP GiB/step")
+              "step", "activ", "total GiB", "fits", "comm DP", "comm TP", "comm PP GiB/step")
     print("  ".join(f"{h:>7}" for h in header))
     for e in rows:
         cells = (e.tensor, e.pipe, e.data, e.zero_stage, e.micro_batch_size, e.gradient_accumulation,
                  "yes" if e.activation_checkpointing else "no",
                  *(f"{v / GiB:.1f}" for v in (e.weights, e.gradients, e.optimizer, e.zero_buffers,
-                                               e.activations, e.total)),
+                                               e.optimizer_step, e.activations, e.total)),
                  "FITS" if e.fits else "-",
                  *(f"{v / GiB:.2f}" for v in (e.comm_dp, e.comm_tp, e.comm_pp)))
         print("  ".join(f"{c:>7}" for c in cells))

@@ -23,6 +23,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .data.gpt_dataset import Verify   # numpy-only: the data checks' modes
 from .errors import UserError
 from .model.pattern import LAYER_KINDS   # torch-free: the layer letters (model/__init__ imports lazily)
 
@@ -131,6 +132,11 @@ class DataConfig:
     data_path: list[str] = field(default_factory=list)   # [prefix] or [w1, p1, w2, p2, ...] (data_tools' output)
     split: str = "969,30,1"                 # train,valid,test weights of every dataset
     index_cache_dir: Optional[str] = None   # None: <folder of the first prefix>/index-cache
+    # the .bin files against the crc32 their .meta.json sidecars recorded, at start: sample (a few
+    # 16 MiB chunks at random, ~32 for the whole blend: a fraction of a second), full (every byte;
+    # minutes at 100B tokens) or none. Every batch's token ids are checked against the vocabulary
+    # whatever this says (a damaged .bin stops the run naming the file, sequence and offset)
+    verify: Verify = Verify.sample
     tokenizer: Optional[str] = None          # the data's tokenizer.json: recorded in checkpoints for export
     # train on data (or resume a checkpoint) of different tokenizers on purpose; otherwise the
     # tokenizer identities of the blend, data.tokenizer and the checkpoint must agree
@@ -237,6 +243,16 @@ class TrainConfig:
     save: Optional[str] = None        # checkpoint folder
     load: Optional[str] = None        # checkpoint folder to resume from
     load_optimizer: bool = True       # false: weights only, Adam starts afresh
+    # false: checkpoints hold the weights, step, data position and RNG but no optimizer state
+    # (Megatron's --no-save-optim, NeoX's no_save_optim): 1/3 of the disk of an fp32 ZeRO
+    # checkpoint. Such a checkpoint past step 0 loads with train.load_optimizer=false (Adam
+    # fresh) and is refused otherwise, as Megatron refuses it; not with ZeRO-3 (its optimizer
+    # files hold the weights) nor train.reshardable_optimizer (docs/checkpoints.md)
+    save_optimizer: bool = True
+    # steps saved besides every train.save_interval (GPT-NeoX's extra_save_iters); 0 saves the
+    # starting weights before the first step of a run that starts at step 0 (from scratch, or
+    # from import-hf's weights), as a weights-only checkpoint: Adam has no state yet
+    extra_save_steps: list[int] = field(default_factory=list)
     # also save the optimizer state per parameter in single-device form (<checkpoint>/optim/,
     # checkpoint/reshard.py), so that the checkpoint resumes WITH it at any other TP/PP/DP/ZeRO
     # layout; costs 3 x fp32 parameters of disk per checkpoint, written by one rank per stage
@@ -247,8 +263,10 @@ class TrainConfig:
     peak_tflops: float = 989.0        # per device, for MFU (H100 SXM dense bf16)
     max_nonfinite_in_a_row: int = 5   # stop after this many skipped non-finite steps in a row (0: never)
     # every collective's timeout: a hung rank ends the job after this long instead of stalling
-    # it. 10 as Megatron's --distributed-timeout-minutes: rank 0 alone builds the data index
-    # while the others wait (about 2 s per 100M tokens, so ~9 min for the paper's 26B)
+    # it. 10 as Megatron's --distributed-timeout-minutes. The data index is not under it: rank 0
+    # builds it while the others wait on its files, as long as rank 0 shows signs of life
+    # (data/index_cache.py; 5-8 s for the paper's 26B tokens, ~25 s for a 100B-token run:
+    # benchmarks/data_scale.py)
     collective_timeout_minutes: float = 10.0
     # on CPU, refuse a run whose planned memory (megatron-id plan) x the ranks on this host is
     # above the host's available memory: the kernel's OOM killer would end it without a word
@@ -540,6 +558,8 @@ def _check_ranges(cfg: Config) -> None:
         ("train.eval_iters", t.eval_iters, t.eval_iters >= 0, "must be >= 0 (0: no validation)"),
         ("train.save_interval", t.save_interval, t.save_interval >= 1, "must be at least 1"),
         ("train.keep_last", t.keep_last, t.keep_last >= 0, "must be >= 0 (0 keeps every checkpoint)"),
+        ("train.extra_save_steps", list(t.extra_save_steps), all(s >= 0 for s in t.extra_save_steps),
+         "must hold steps >= 0 (0: the starting weights, before the first step)"),
         ("train.peak_tflops", t.peak_tflops, t.peak_tflops > 0, "must be positive (per device, for MFU)"),
         ("train.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, t.max_nonfinite_in_a_row >= 0,
          "must be >= 0 (0: never stop)"),

@@ -85,6 +85,8 @@ PEER_FLAGS = {
     "train.save": ("--save", "save"),
     "train.load": ("--load", "load"),
     "train.load_optimizer": ("--no-load-optim (inverse)", "no_load_optim (inverse)"),
+    "train.save_optimizer": ("--no-save-optim (inverse)", "no_save_optim (inverse)"),
+    "train.extra_save_steps": ("-", "extra_save_iters"),
     "train.keep_last": ("-", "keep_last_n_checkpoints"),
     "train.tensorboard_dir": ("--tensorboard-dir", "tensorboard_dir"),
     "train.collective_timeout_minutes": ("--distributed-timeout-minutes", "-"),

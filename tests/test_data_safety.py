@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -266,7 +267,7 @@ def test_sidecar_records_what_was_written(tmp_path, good_pair):
                     "max_token_id": int(ids.max()), "min_token_id": int(ids.min()),
                     "num_sequences": 150, "num_documents": 150, "num_tokens": len(ids),
                     "tokenizer": str(GPT2.resolve()), "tokenizer_id": identity_of_file(GPT2),
-                    "eod_id": 50256}
+                    "eod_id": 50256, "bin_bytes": 2 * len(ids), "checksum": crc32_record(f"{good_pair}.bin")}
     # merge: the id range over its inputs, which need no sidecar of their own
     other = tmp_path / "other"
     with IndexedDatasetWriter(other, np.uint16) as w:
@@ -278,6 +279,14 @@ def test_sidecar_records_what_was_written(tmp_path, good_pair):
     assert (merged["max_token_id"], merged["min_token_id"], merged["vocab_size"]) == (60000, 0, 50257)
     assert (merged["num_sequences"], merged["num_tokens"]) == (151, len(ids) + 2)
     assert merged["tokenizer"] is None and merged["tokenizer_id"] is None   # one input's tokenizer is unknown
+    assert merged["checksum"] == crc32_record(meta_path(tmp_path / "merged").with_suffix("").with_suffix(".bin"))
+
+
+def crc32_record(path, chunk=1 << 24) -> dict:
+    """The sidecar's checksum record of a file, computed here independently of the writer."""
+    data = Path(path).read_bytes()
+    return {"algorithm": "crc32", "chunk_bytes": chunk,
+            "chunks": [zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)]}
 
 
 def test_overwrite_replaces_the_pair_atomically(tmp_path, good_pair, inputs):

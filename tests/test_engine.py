@@ -47,12 +47,26 @@ def test_losses_equal_across_layouts_and_zero_stages(fineweb_prefix):
                 assert abs(norm - want_norm) <= 1e-4 * want_norm, (where, norm, want_norm)
 
 
+def _file_backed(tensors) -> list:
+    """The tensors whose memory lies in a mapping of a checkpoint file (/proc/self/maps)."""
+    regions = []
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        if len(parts) >= 6 and parts[5].endswith(".pt"):
+            regions.append(tuple(int(x, 16) for x in parts[0].split("-")))
+    return [t for t in tensors if any(lo <= t.untyped_storage().data_ptr() < hi for lo, hi in regions)]
+
+
 def _run(rank, world, items, steps, kill_at_end, kill_inside_save):
     import os
     import signal
+    import torch
     from megatron_id.training.engine import Trainer
     cfg = load_config([CONFIGS / "model" / "tiny.yaml"], items)
     trainer = Trainer(cfg)
+    if trainer.step:   # resumed (its files memory-mapped): Adam's state restored, none of it left in a file
+        state = [v for adam in trainer.guard.state.values() for v in adam.values() if isinstance(v, torch.Tensor)]
+        assert state and not _file_backed(state), (len(state), len(_file_backed(state)))
     if kill_inside_save:   # die after DeepSpeed wrote the files, before the rename and `latest`
         save = trainer.engine.save_checkpoint
 
@@ -287,3 +301,86 @@ def test_tied_embeddings_across_pipeline_stages(fineweb_prefix, tmp_path):
         for name, want in ref_weights.items():
             err = ((weights[name] - want).norm() / want.norm()).item()
             assert err <= 1e-4, (layout, name, err)
+
+
+def _train_all(rank, world, items):
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
+    start = trainer.step
+    try:
+        return start, trainer.train()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_weights_only_saves_and_the_step_0_save(fineweb_prefix, tmp_path, capfd):
+    """train.save_optimizer=false (Megatron's --no-save-optim) and train.extra_save_steps=[0]
+    (GPT-NeoX's extra_save_iters) for a run that starts from imported weights: no optimizer file
+    in any checkpoint; the step-0 save resumes exactly (Adam has no state before the first step);
+    a later one is refused with train.load_optimizer=true and continues with fresh Adam with
+    false (at ZeRO-0 too), saying so; convert-checkpoint refuses it; the bad combinations are
+    refused before any work."""
+    import shutil
+    import torch
+    from distributed import RankError
+    from megatron_id.checkpoint.files import ClientState, model_config_dict, read_client_state
+    from megatron_id.checkpoint.integrity import CheckpointError
+    from megatron_id.checkpoint.read import read_model_state, write_weights_only
+    from megatron_id.checkpoint.reshard import convert
+    from megatron_id.config import ConfigError
+    from megatron_id.hf.export import why_not_an_import
+    from megatron_id.model import LanguageModel
+    from megatron_id.training.layout import training_layout
+    steps = 3
+    items = overrides(fineweb_prefix, 1, 1) + [f"train.train_tokens={steps * 4 * 64}", "train.eval_iters=0"]
+    cfg = load_config([CONFIGS / "model" / "tiny.yaml"], items)
+    for bad, message in [(["train.zero_stage=3"], "ZeRO-3 keeps the weights themselves in its optimizer files"),
+                         (["train.reshardable_optimizer=true"], "saves the optimizer state a second time")]:
+        with pytest.raises(ConfigError, match=message):
+            training_layout(load_config([CONFIGS / "model" / "tiny.yaml"], items + ["train.save_optimizer=false", *bad]), 1)
+    with pytest.raises(ConfigError, match=r"train.extra_save_steps=\[-1\] is invalid"):
+        load_config([CONFIGS / "model" / "tiny.yaml"], items + ["train.extra_save_steps=[-1]"])
+    # imported weights (another init than the run's own seed would give), at step 0
+    imported = tmp_path / "imported"
+    imported.mkdir()
+    weights = LanguageModel(cfg.model, seed=7).state_dict()
+    write_weights_only(imported, [weights], cfg.model, 1, ClientState(
+        step=0, model=model_config_dict(cfg.model), weights_only=True,
+        layout={"tensor": 1, "pipe": 1, "data": 1, "zero_stage": 0}))
+    root = tmp_path / "ckpt"
+    start, losses = run_distributed(_train_all, 1, timeout=300, args=(items + [
+        f"train.load={imported}", f"train.save={root}", "train.save_interval=2", "train.extra_save_steps=[0]",
+        "train.save_optimizer=false"],))[0]
+    assert start == 0 and len(losses) == steps
+    tags = sorted(p.name for p in root.glob("iter_*"))
+    assert tags == ["iter_0000000", "iter_0000002", f"iter_{steps:07d}"]
+    for tag in tags:
+        assert read_client_state(root / tag).weights_only, tag
+        assert not list((root / tag).glob("*optim_states.pt")), tag   # DeepSpeed's optimizer files left out
+    saved0 = read_model_state(root / "iter_0000000", cfg.model, read_client_state(root / "iter_0000000").layout)
+    assert sorted(saved0) == sorted(weights) and all(torch.equal(saved0[k], v) for k, v in weights.items())
+    assert "loaded the weights of" in capfd.readouterr().err   # the import, said
+    # the step-0 save alone in a folder: a run's checkpoint, never replaced by import-hf
+    start_root = tmp_path / "start"
+    start_root.mkdir()
+    shutil.copytree(root / "iter_0000000", start_root / "iter_0000000")
+    (start_root / "latest").write_text("iter_0000000")
+    assert "written by a run" in why_not_an_import(start_root)
+    start, resumed = run_distributed(_train_all, 1, timeout=300, args=(items + [f"train.load={start_root}"],))[0]
+    assert start == 0 and resumed == losses, (resumed, losses)   # exact: nothing of Adam was lost
+    assert "weights-only checkpoint (no optimizer state), so Adam starts fresh at step 0" in capfd.readouterr().err
+    # past step 0: refused with train.load_optimizer=true, fresh Adam with false
+    with pytest.raises(RankError, match=r"saved with train.save_optimizer=false.*Set train.load_optimizer=false"):
+        run_distributed(_train_all, 1, timeout=300, args=(items + [f"train.load={root}"],))
+    zero0 = tmp_path / "zero0"
+    more = items[:-2] + [f"train.train_tokens={(steps + 1) * 4 * 64}", "train.eval_iters=0"]
+    start, later = run_distributed(_train_all, 1, timeout=300, args=(more + [
+        f"train.load={root}", "train.load_optimizer=false", "train.zero_stage=0", f"train.save={zero0}",
+        "train.save_optimizer=false"],))[0]
+    assert start == steps and len(later) == 1
+    assert "Adam starts fresh at step 3" in capfd.readouterr().err
+    saved = torch.load(zero0 / f"iter_{steps + 1:07d}" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert saved["optimizer"] is None and saved["module"]   # ZeRO-0 keeps Adam in its model file: left out
+    with pytest.raises(CheckpointError, match="holds weights only"):
+        convert(root, tmp_path / "converted")

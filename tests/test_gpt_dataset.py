@@ -4,6 +4,8 @@ The synthetic datasets hold unique token values (token t of the corpus has value
 sample can be traced back to the exact tokens it was made of.
 """
 import collections
+import os
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from distributed import run_distributed
 from megatron_id.data.gpt_dataset import (BlendedDataset, DataConfigError, GPTDataset,
                                           PretrainingSampler, build_gpt_datasets, check_data,
                                           parse_data_path, parse_split, split_ranges)
+from megatron_id.data import index_cache, native, sample_index
 from megatron_id.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 SEQ = 16
@@ -153,3 +156,171 @@ def test_check_data_refuses_what_cannot_train_before_any_index_is_built(tmp_path
         assert err.value.same_on_every_rank and isinstance(err.value, ValueError)
     with pytest.raises(ValueError, match="data.split='-1,2'"):   # still a ValueError for old callers
         parse_split("-1,2")
+
+
+# ---------------------------------------------------------------- the fast builds against their references
+
+def test_the_linear_time_sample_index_equals_the_reference(monkeypatch):
+    """Random corpora (empty documents, one-token documents, many epochs, a split that starts
+    inside the corpus, tiny document chunks so the chunk loop runs many times): every value of
+    the reference (the code as it was: int64, a binary search per start), doc_idx cut after the
+    last document a sample reads, and every array int32."""
+    monkeypatch.setattr(sample_index, "DOCUMENT_CHUNK", 7)
+    rng = np.random.RandomState(0)
+    checked = 0
+    for _ in range(300):
+        n = rng.randint(1, 60)
+        lengths = rng.randint(0, 20, size=n).astype(np.int32)
+        lengths[rng.randint(n)] = 3
+        start = rng.randint(0, n)
+        end = rng.randint(start + 1, n + 1)
+        if lengths[start:end].sum() < 2:
+            continue
+        seq, num, seed = rng.randint(1, 30), rng.randint(1, 200), rng.randint(100)
+        want = sample_index.build_sample_index_reference(lengths, (start, end), num, seq, seed)
+        got = sample_index.build_sample_index(lengths, (start, end), num, seq, seed)
+        assert np.array_equal(got["sample_idx"], want["sample_idx"])
+        assert np.array_equal(got["shuffle_idx"], want["shuffle_idx"])
+        used = int(want["sample_idx"][-1, 0]) + 1
+        assert np.array_equal(got["doc_idx"], want["doc_idx"][:used])
+        assert {a.dtype for a in got.values()} == {np.dtype(np.int32)}
+        checked += 1
+    assert checked > 250
+    assert sample_index.index_dtype(2 ** 31 - 1) == np.int32 and sample_index.index_dtype(2 ** 31) == np.int64
+
+
+def test_the_blend_index_in_c_equals_the_python_reference():
+    assert native.data_helpers() is not None, "the C helper did not build here"
+    rng = np.random.RandomState(1)
+    for trial in range(150):
+        d = rng.randint(1, 12)
+        weights = np.ones(d) if trial % 3 == 0 else rng.rand(d)   # equal weights: ties on every step
+        if trial % 5 == 0 and d > 1:
+            weights[0] = 0
+        weights = weights / weights.sum()
+        num = rng.randint(1, 3000)
+        want = sample_index.build_blending_index_reference(weights, num)
+        got = sample_index.build_blending_index(weights, num)
+        assert np.array_equal(got["dataset_index"], want["dataset_index"])
+        assert np.array_equal(got["dataset_sample_index"], want["dataset_sample_index"])
+        assert got["dataset_sample_index"].dtype == np.int32
+    # the int64 output (runs past 2**31 samples) through the same function
+    weights = np.array([0.5, 0.3, 0.2])
+    index, wide, counts = np.empty(1000, np.int16), np.empty(1000, np.int64), np.zeros(3, np.int64)
+    status = native.data_helpers().megatron_id_blend_index(weights.ctypes.data, 3, 1000, index.ctypes.data,
+                                                           wide.ctypes.data, 8, counts.ctypes.data)
+    want = sample_index.build_blending_index_reference(weights, 1000)
+    assert status == 0 and np.array_equal(index, want["dataset_index"])
+    assert np.array_equal(wide, want["dataset_sample_index"]) and counts.tolist() == [500, 300, 200]
+
+
+def test_without_a_compiler_the_blend_is_built_in_python_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_ID_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("CC", "false")   # a "compiler" that fails
+    monkeypatch.setattr(native, "_compiler", lambda: "false")
+    native.data_helpers.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"could not be built \(RuntimeError: false failed.*pure Python"):
+            assert native.data_helpers() is None
+        got = sample_index.build_blending_index([0.6, 0.4], 500)
+    finally:
+        native.data_helpers.cache_clear()
+    want = sample_index.build_blending_index_reference([0.6, 0.4], 500)
+    assert np.array_equal(got["dataset_index"], want["dataset_index"])
+    assert not list((tmp_path / "build").glob("*.so"))   # nothing half-built left under the final name
+
+
+def test_a_long_build_is_announced_with_an_estimate(tmp_path, monkeypatch, capsys):
+    unique_token_corpus(tmp_path / "c", 100, seed=8)
+    unique_token_corpus(tmp_path / "d", 100, seed=9)
+    monkeypatch.setattr(index_cache, "LONG_BUILD_S", 0.0)
+    build_gpt_datasets(f"1 {tmp_path / 'c'} 3 {tmp_path / 'd'}.bin", "100,0,0", (500, 0, 0), SEQ, 0, tmp_path / "cache")
+    err = capsys.readouterr().err
+    assert re.search(r"building the train sample index of .*c \(127 samples from 100 documents x 1 epoch\) "
+                     r"\(~\d+ s; once: cached in .*cache\)", err), err
+    assert re.search(r"building the train blend index \(500 samples over 2 datasets\) \(~\d+ s; once", err), err
+
+
+# ---------------------------------------------------------------- waiting on rank 0's files, not on a collective
+
+PATIENCE_S = 1.0   # the process group's collective timeout in the next test
+BLEND_SAMPLES = 2_400_000   # x 20 prefixes: ~4 s of the Python blend on a 2-core VM
+
+
+def _blend_past_the_timeout(rank, world, prefixes, cache):
+    import contextlib
+    import io
+    import os
+    import time
+    os.environ["MEGATRON_ID_NO_NATIVE_DATA"] = "1"   # the Python blend: seconds of real work on rank 0
+    index_cache.REPORT_EVERY_S = 0.5
+    stderr = io.StringIO()
+    began = time.monotonic()
+    with contextlib.redirect_stderr(stderr):
+        train, _, _ = build_gpt_datasets(" ".join(f"1 {p}" for p in prefixes), "100,0,0", (BLEND_SAMPLES, 0, 0), SEQ,
+                                         0, cache, stale_after_s=60)
+    seconds = time.monotonic() - began
+    dist.barrier()   # the group still works: a waiting rank did not time out in a collective
+    picks = np.asarray(train.dataset_index[::997]).tolist()
+    return seconds, train.built_index, picks, [train[i].tolist() for i in range(0, BLEND_SAMPLES, 100_000)], stderr.getvalue()
+
+
+def test_ranks_wait_for_an_index_that_takes_longer_than_the_collective_timeout(tmp_path):
+    """A 2-rank group whose collectives time out after 1 s, and a blend index that takes rank 0
+    several seconds: rank 1 waits on rank 0's files, says so, and both then use the same index
+    (the barrier, and before this change the wait itself, would have timed out)."""
+    unique_token_corpus(tmp_path / "c", 100, seed=9)
+    prefixes = []
+    for i in range(20):   # twenty prefixes, as a blend of shards (hard links: distinct datasets)
+        for ext in (".bin", ".idx"):
+            os.link(tmp_path / f"c{ext}", tmp_path / f"shard{i:02d}{ext}")
+        prefixes.append(str(tmp_path / f"shard{i:02d}"))
+    results = run_distributed(_blend_past_the_timeout, 2, args=(prefixes, str(tmp_path / "cache")), timeout=300,
+                              collective_timeout=PATIENCE_S)
+    (built0_s, built0, picks0, samples0, err0), (waited_s, built1, picks1, samples1, err1) = results
+    assert built0 and not built1
+    assert waited_s > 2 * PATIENCE_S, f"the build took {built0_s:.1f} s: too quick to prove anything"
+    assert picks0 == picks1 and samples0 == samples1
+    assert "rank 1: waiting for rank 0 to build the train" in err1
+    assert re.search(r"rank 1: still waiting for rank 0 to build the train blend index \(2,400,000 samples over 20 "
+                     r"datasets\) \(\d+ s so far; rank 0: blending 2,400,000 samples over 20 datasets \(in Python\)",
+                     err1), err1
+    assert "waiting" not in err0
+
+
+def _waits_that_end(rank, world, good, cache):
+    from megatron_id.data.index_cache import IndexWaitError
+    messages = []
+    # rank 0's build fails: rank 1 stops with its error instead of waiting out the timeout
+    import megatron_id.data.gpt_dataset as gpt
+    working = gpt.build_sample_index
+
+    def broken(*args, **kwargs):
+        raise MemoryError("no memory for the index")
+    if rank == 0:
+        gpt.build_sample_index = broken
+    try:
+        build_gpt_datasets(good, "100,0,0", (64, 0, 0), SEQ, 0, cache, stale_after_s=30)
+    except (IndexWaitError, MemoryError) as err:
+        messages.append(str(err))
+    gpt.build_sample_index = working
+    # a cache folder that is not shared (each rank sees its own): rank 1 gives up after stale_after_s
+    try:
+        build_gpt_datasets(good, "100,0,0", (65, 0, 0), SEQ, 0, f"{cache}-rank{rank}", stale_after_s=1.0)
+    except IndexWaitError as err:
+        messages.append(str(err))
+    return messages
+
+
+def test_a_waiting_rank_stops_when_rank_0_fails_or_its_folder_is_not_shared(tmp_path):
+    unique_token_corpus(tmp_path / "c", 100, seed=10)
+    (rank0, rank1) = run_distributed(_waits_that_end, 2, args=(str(tmp_path / "c"), str(tmp_path / "cache")),
+                                     timeout=120)
+    assert rank0 == ["no memory for the index"]
+    assert re.fullmatch(r"rank 0 failed while building the train sample index of .*c \(64 samples from 100 "
+                        r"documents x \d+ epochs?\): MemoryError: no memory for the index \(rank 0's log has the "
+                        r"details\)\.", rank1[0]), rank1[0]
+    assert re.search(r"rank 1 waited 0\.0 min for rank 0 to build the train sample index .*, and no status file from "
+                     r"rank 0 appeared in .*cache-rank1\. If rank 0 stopped, its log says why\. If .*cache-rank1 is not "
+                     r"on a file system every node shares, set data\.index_cache_dir to one that is\. .*raise "
+                     r"train\.collective_timeout_minutes", rank1[1]), rank1[1]

@@ -62,6 +62,32 @@ def test_zero_partitions_the_optimizer_state_over_data_parallel_ranks():
         assert z1.gradients == 4 * n and z2.gradients == 4 * math.ceil(n / dp)
         # DeepSpeed's fp32 partition copy and its gradient, plus the 5e8-element bucket
         assert z1.zero_buffers == 8 * math.ceil(n / dp) + 4 * 500_000_000
+        # Adam's temporaries during the step (GPU: foreach, 1 fp32 per element it updates)
+        assert z0.optimizer_step == 4 * n and z1.optimizer_step == z2.optimizer_step == 4 * math.ceil(n / dp)
+        assert z1.total == sum((z1.weights, z1.gradients, z1.optimizer, z1.zero_buffers, z1.optimizer_step,
+                                z1.activations, z1.overhead))
+
+
+def test_the_host_memory_figure_counts_adams_temporaries_on_the_cpu():
+    """run_estimate_gib on CPU (train's host-memory check): torch's CPU AdamW updates one tensor
+    at a time with 2 fp32 temporaries of it, i.e. of the whole flat partition under ZeRO-1
+    (issue 40: a 1-step ZeRO-1 run of the 350M config measured 36 bytes/parameter besides
+    activations, 28 without this term; benchmarks/checkpoint_memory.py)."""
+    from megatron_id.parallel.tensor_parallel import padded_vocab_size
+    from megatron_id.training.plan import largest_parameter, run_estimate_gib, stage_memory
+    cfg = load_config([SMALL], ["train.zero_stage=1", "train.global_batch_size=8"])
+    n = count_parameters(cfg.model)
+    layout = training_layout(cfg, 1)
+    terms = stage_memory(cfg, layout, 1, 0, checkpointing=False, overhead=0, touched_only=True)
+    assert terms["optimizer_step"] == 8 * n
+    without_activations = terms["total"] - terms["activations"]
+    assert without_activations == 36 * n   # 4 weights + 4 grads + 8 Adam + 12 ZeRO buffers + 8 step
+    assert abs(run_estimate_gib(cfg, layout, on_gpu=False) * GiB - terms["total"]) < 1
+    zero0 = load_config([SMALL], ["train.zero_stage=0", "train.global_batch_size=8"])
+    largest = largest_parameter(zero0, 1, 1, 0)   # the embedding, its vocabulary padded
+    assert largest == padded_vocab_size(zero0.model, 1) * zero0.model.d_model
+    assert stage_memory(zero0, training_layout(zero0, 1), 0, 0, checkpointing=False, overhead=0,
+                        touched_only=True)["optimizer_step"] == 8 * largest
 
 
 def test_activation_checkpointing_lowers_the_activation_term():

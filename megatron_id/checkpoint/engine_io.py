@@ -2,18 +2,26 @@
 
 `save(trainer, root, client)`: DeepSpeed's model and ZeRO files into the staging folder, the
 re-shardable optimizer state (train.reshardable_optimizer), our client state, the manifest
-(hashed by all ranks in parallel), then the commit and pruning on rank 0.
+(hashed by all ranks in parallel), then the commit and pruning on rank 0. A weights-only save
+(`client.weights_only`: train.save_optimizer=false, and every save at step 0, before Adam has
+any state) writes DeepSpeed's model files without its optimizer state (`_weights_only_files`).
 `load(trainer, root)`: verify every file (all ranks in parallel), then the cheapest exact way:
-  - the saving layout (and train.load_optimizer): DeepSpeed restores model and optimizer;
+  - the saving layout (and train.load_optimizer): DeepSpeed restores model and optimizer, its
+    files memory-mapped (`_mapped_loads`);
   - another layout with optim/: weights and Adam state re-sharded per parameter (reshard.py);
-  - another layout without it, train.load_optimizer=false, or a weights-only import: this
-    rank's slices of the weights only (read.read_local_state), optimizer fresh;
-  - otherwise an error with the three ways out.
+  - another layout without it, train.load_optimizer=false, or a weights-only checkpoint: this
+    rank's slices of the weights only, copied into the module one tensor at a time
+    (read.iter_local_state), optimizer fresh;
+  - otherwise an error with the ways out (a weights-only checkpoint past step 0 with
+    train.load_optimizer=true too: Megatron's habit with --no-save-optim checkpoints).
+Memory of each (benchmarks/checkpoint_memory.py, docs/checkpoints.md): a weights-only load holds
+one tensor beyond the model; a same-layout resume the optimizer state DeepSpeed creates for it.
 `trainer` is the Trainer of training/engine.py: engine, cfg, layout, guard, tp_group, pipelined.
 """
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,8 +34,8 @@ from .files import (STAGING, ClientState, commit, describe, finish_staging, late
                     read_client_state, staging_folder, tag_for, write_client_state)
 from .integrity import (CheckpointError, checkpoint_files, manifest_entries, mark_settled, read_manifest,
                         verify_checkpoint, warn_unverified, write_manifest)
-from .read import read_local_state
-from .rules import cross_layout_error, optimizer_state_loadable
+from .read import iter_local_state
+from .rules import cross_layout_error, optimizer_state_loadable, weights_only_resume_error
 
 
 def current_layout(trainer) -> dict:
@@ -45,8 +53,9 @@ def save(trainer, root, client: ClientState, background: bool = False):
     dist.barrier()
     if background:
         return _save_in_background(trainer, root, staged, client)
-    trainer.engine.save_checkpoint(str(root / STAGING), tag=tag, save_latest=False)
-    if trainer.cfg.train.reshardable_optimizer:
+    with _weights_only_files(trainer, client.weights_only):
+        trainer.engine.save_checkpoint(str(root / STAGING), tag=tag, save_latest=False)
+    if trainer.cfg.train.reshardable_optimizer and not client.weights_only:
         reshard.save(trainer, staged)
     if rank0:
         write_client_state(staged, client)
@@ -66,16 +75,38 @@ def _save_in_background(trainer, root: Path, staged: Path, client: ClientState):
     host, original = host_copy_engine(), engine.checkpoint_engine
     engine.checkpoint_engine = host   # DeepSpeed's files: kept in host memory, written by the thread
     try:
-        engine.save_checkpoint(str(root / STAGING), tag=staged.name, save_latest=False)
+        with _weights_only_files(trainer, client.weights_only):
+            engine.save_checkpoint(str(root / STAGING), tag=staged.name, save_latest=False)
     finally:
         engine.checkpoint_engine = original
-    if trainer.cfg.train.reshardable_optimizer:   # collectives: written now, in this thread
+    if trainer.cfg.train.reshardable_optimizer and not client.weights_only:   # collectives: now, in this thread
         reshard.save(trainer, staged)
     dist.barrier()   # every rank's copy is taken
     rank0 = dist.get_rank() == 0
     return BackgroundSave(staged, root, host.files, client if rank0 else None, dist.get_rank(),
                           dist.get_world_size(), trainer.cfg.train.keep_last,
                           timeout_s=60 * trainer.cfg.train.collective_timeout_minutes)
+
+
+@contextmanager
+def _weights_only_files(trainer, weights_only: bool):
+    """DeepSpeed's save_checkpoint without the optimizer state: ZeRO-1/2 skip their optimizer
+    files (`save_zero_checkpoint`, which DeepSpeed sets per rank), ZeRO-0 writes `optimizer: None`
+    into its model files (the engine's optimizer is hidden for the call). ZeRO-3 keeps its
+    files: they hold the weights themselves (train.save_optimizer=false is refused there; a
+    step-0 save has no Adam state to leave out)."""
+    engine, zero = trainer.engine, trainer.cfg.train.zero_stage
+    if not weights_only or zero == 3:
+        yield
+        return
+    saved = engine.save_zero_checkpoint, engine.optimizer
+    engine.save_zero_checkpoint = False
+    if zero == 0:
+        engine.optimizer = None
+    try:
+        yield
+    finally:
+        engine.save_zero_checkpoint, engine.optimizer = saved
 
 
 def _write_manifest(folder: Path) -> None:
@@ -127,11 +158,16 @@ def load(trainer, root) -> ClientState:
     current = current_layout(trainer)
     saved = client.layout or current
     want_optimizer = trainer.cfg.train.load_optimizer
-    if client.weights_only:   # written by `megatron-id import-hf`: weights, no optimizer
+    if client.weights_only:   # import-hf, train.save_optimizer=false or a step-0 save: no optimizer state
+        if want_optimizer and client.step > 0:
+            raise weights_only_resume_error(path, client.step)
         load_weights(trainer, path, saved)
+        _say(f"loaded the weights of {path} (saved at {describe(saved)}) into {describe(current)}: it is a "
+             f"weights-only checkpoint (no optimizer state), so Adam starts fresh at step {client.step}")
     elif want_optimizer and optimizer_state_loadable(saved, current):
-        _, loaded = trainer.engine.load_checkpoint(str(root), tag=path.name, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=False)
+        with _mapped_loads(trainer):
+            _, loaded = trainer.engine.load_checkpoint(str(root), tag=path.name, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=False)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {path}.")
     elif want_optimizer and reshard.has_reshardable_state(path):
@@ -170,15 +206,78 @@ def _local_model_names(trainer) -> list[str]:
 
 
 def load_weights(trainer, folder: Path, saved: dict) -> None:
-    """This rank's slices of the weights of `folder` (saved at layout `saved`) into its module."""
+    """This rank's slices of the weights of `folder` (saved at layout `saved`) into its module,
+    one tensor at a time (read from the memory-mapped files, copied in, dropped): the load holds
+    one tensor beyond the module, never a second copy of the model. Strict, as load_state_dict:
+    every tensor of the module is loaded, with its shape."""
     cfg = trainer.cfg.model
     tp, rank = dist.get_world_size(trainer.tp_group), dist.get_rank(trainer.tp_group)
-    local = read_local_state(folder, cfg, saved, tp, rank, _local_model_names(trainer))
+    names = _local_model_names(trainer)
     module = trainer.engine.module
-    if trainer.pipelined:
-        local = pipeline_state_dict(local, module, cfg.n_layers, cfg.tie_embeddings)
+    if trainer.pipelined:   # model name -> the PipelineModule's keys (a tied matrix may have two)
+        keys = {}
+        for key, name in pipeline_state_dict({n: n for n in names}, module, cfg.n_layers, cfg.tie_embeddings).items():
+            keys.setdefault(name, []).append(key)
+    else:
+        keys = {name: [name] for name in names}
     import deepspeed   # ZeRO-3: a parameter holds its DP partition only: gather, copy, re-partition
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):   # no-op below ZeRO-3
-        module.load_state_dict(local, strict=True)
+        targets = module.state_dict(keep_vars=True)
+        wanted = {key for group in keys.values() for key in group}
+        missing, unexpected = sorted(set(targets) - wanted), sorted(wanted - set(targets))
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading the weights of {folder} into {type(module).__name__}: "
+                               f"missing key(s): {missing[:5]}; unexpected key(s): {unexpected[:5]}.")
+        with torch.no_grad():
+            for name, tensor in iter_local_state(folder, cfg, saved, tp, rank, list(keys)):
+                for key in keys[name]:
+                    if targets[key].shape != tensor.shape:
+                        raise RuntimeError(f"size mismatch for {key}: copying a param with shape "
+                                           f"{tuple(tensor.shape)} from {folder}, the shape in current model "
+                                           f"is {tuple(targets[key].shape)}.")
+                    targets[key].copy_(tensor)
+                del tensor
     if hasattr(trainer.engine.optimizer, "refresh_fp32_params"):   # ZeRO keeps fp32 master copies
         trainer.engine.optimizer.refresh_fp32_params()
+
+
+def _mapped_load(path, map_location=None):
+    """DeepSpeed's files for a same-layout resume, memory-mapped and with weights_only=True:
+    DeepSpeed copies what it keeps into its own tensors, so the files' pages stay file-backed
+    (the kernel can drop them) instead of a whole second copy of model and optimizer state in
+    private memory. map_location is always the CPU: every tensor is copied to its device."""
+    from .reshard import _deepspeed_safe_globals
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:   # a file in torch's legacy (non-zip) format cannot be mapped
+            if "mmap" not in str(err):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@contextmanager
+def _mapped_loads(trainer):
+    """DeepSpeed's load_checkpoint with `_mapped_load` in place of its checkpoint engine's load.
+    Weights and ZeRO's fp32 master partitions are copied into the engine's own tensors, but
+    torch's Optimizer.load_state_dict (ZeRO-0's, and ZeRO-1/2's for their rigid checkpoints)
+    keeps the loaded tensors themselves as Adam's state: those are copied out of the mapping
+    afterwards, one at a time, so that no live state stays backed by a file (which pruning may
+    delete while the run holds its disk space). The resume's private memory is then the Adam
+    state it restores, one optimizer partition (benchmarks/checkpoint_memory.py)."""
+    checkpoint_engine = trainer.engine.checkpoint_engine
+    own = vars(checkpoint_engine).get("load")
+    checkpoint_engine.load = _mapped_load
+    try:
+        yield
+    finally:
+        if own is None:
+            del checkpoint_engine.load
+        else:
+            checkpoint_engine.load = own
+    for adam in trainer.guard.state.values():
+        for key, value in adam.items():
+            if isinstance(value, torch.Tensor):
+                adam[key] = value.clone()
+    if hasattr(trainer.engine.optimizer, "_hp_optimizer_states_linked"):   # ZeRO-1/2: views of the
+        trainer.engine.optimizer._hp_optimizer_states_linked = False       # state are re-linked lazily

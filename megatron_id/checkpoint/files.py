@@ -141,6 +141,62 @@ def load_file(path: Path) -> dict:
                               f"damaged. Use an older checkpoint.") from None
 
 
+# ------------------------------------------------------------ writing safetensors one tensor at a time
+
+def _safetensors_header(order: list, specs: dict, dtype_names: dict, metadata) -> bytes:
+    """The header safetensors writes for `specs` ({name: (dtype, shape)}) in `order`: its length
+    (8 bytes, little endian), then compact JSON (__metadata__ first, then the tensors in the
+    order of their data), padded with spaces to a multiple of 8 bytes."""
+    import json
+    import math
+    import struct
+    entries, offset = ({"__metadata__": metadata} if metadata is not None else {}), 0
+    for name in order:
+        dtype, shape = specs[name]
+        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        entries[name] = {"dtype": dtype_names[name], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def save_safetensors(path, specs: dict, tensor_of, metadata: dict | None = None) -> None:
+    """The file safetensors.torch.save_file writes for {name: tensor_of(name)}, byte for byte,
+    written one tensor at a time: `specs` ({name: (dtype, shape)}) gives the header before any
+    tensor exists, and each tensor is asked for, written and dropped in turn, so at most one
+    is in memory (export-hf of a model larger than the host's memory).
+
+    safetensors orders the data by dtype, then name; that order, its dtype names and its header
+    format are learned from safetensors itself on a stand-in of one element per tensor, and the
+    header built here must equal the stand-in's byte for byte. Should a safetensors version
+    write differently, every tensor is gathered and save_file writes the file instead (same
+    bytes, more memory)."""
+    import json
+    import struct
+    import sys
+    from safetensors.torch import save, save_file
+    probe = save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in specs.items()}, metadata=metadata)
+    size = struct.unpack("<Q", probe[:8])[0]
+    layout = json.loads(probe[8:8 + size])
+    order = sorted((k for k in layout if k != "__metadata__"), key=lambda k: layout[k]["data_offsets"][0])
+    names = {k: layout[k]["dtype"] for k in order}
+    same = _safetensors_header(order, {k: (specs[k][0], (1,)) for k in order}, names, metadata) == probe[:8 + size]
+    if not same or sys.byteorder != "little":
+        save_file({name: tensor_of(name).contiguous() for name in specs}, str(path), metadata=metadata)
+        return
+    with open(path, "wb") as f:
+        f.write(_safetensors_header(order, specs, names, metadata))
+        for name in order:
+            tensor = tensor_of(name)
+            dtype, shape = specs[name]
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{name}: a {tensor.dtype} tensor of shape {tuple(tensor.shape)} where the "
+                                 f"header says {dtype} {tuple(shape)}")
+            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del tensor
+
+
 # ------------------------------------------------------------ the client state
 
 @dataclasses.dataclass

@@ -1,10 +1,14 @@
 """Reading the weights of a checkpoint written at any (TP, PP) layout, and writing a
 weights-only checkpoint (what `megatron-id import-hf` produces).
 
-`read_model_state` gives the whole single-device (TP=1, unpadded) state dict: export, generate.
-`read_local_state` gives one rank of another layout only its own slices: the saved shards are
-memory-mapped (load_file) and only the rows or columns this rank keeps are copied out of the
-ones that hold them, so no rank materialises the whole model (benchmarks/reshard_memory.py).
+`ModelState` gives the single-device (TP=1, unpadded) weights one tensor at a time, merged over
+TP only when asked for (export-hf writes each before reading the next); `read_model_state` the
+whole state dict (generate, eval).
+`iter_local_state` / `read_local_state` give one rank of another layout only its own slices: the
+saved shards are memory-mapped (load_file) and only the rows or columns this rank keeps are
+copied out of the ones that hold them, so no rank materialises the whole model
+(benchmarks/reshard_memory.py); the iterator yields one tensor at a time (a weights-only load
+copies each into the module before reading the next: benchmarks/checkpoint_memory.py).
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from ..parallel.pipeline import from_model_names, saved_pieces, to_model_names
-from ..parallel.tensor_parallel import VOCAB_PARAMETERS, merge_state_dicts, padded_vocab_size, partition_dim
+from ..parallel.tensor_parallel import (VOCAB_PARAMETERS, Split, padded_vocab_size, parameter_role,
+                                       partition_dim)
 from .files import (CLIENT_STATE, ClientState, commit, finish_staging, latest_folder, layer_file, load_file,
                     module_file, read_client_state, staging_folder, tag_for, write_client_state)
 from .integrity import checkpoint_files, manifest_entries, write_manifest
@@ -61,12 +66,40 @@ class _Zero3Parameter:
         self.flats, self.offset, self.shape = flats, offset, shape
         self.piece = -(-shape.numel() // len(flats))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flats[0].dtype
+
     def full(self) -> torch.Tensor:
         pieces = [f[self.offset:self.offset + self.piece] for f in self.flats]
         return torch.cat(pieces)[:self.shape.numel()].view(self.shape)
 
     def __getitem__(self, index):
         return self.full()[index]
+
+
+class _Concatenated:
+    """Memory-mapped flat tensors read as their concatenation, without concatenating them: a
+    slice copies only the pieces it spans (DeepSpeed's ZeRO-3 files hold one flat tensor per
+    parameter group; torch.cat of them would read the whole partition into memory)."""
+
+    def __init__(self, parts: list):
+        self.parts = list(parts)
+        self.dtype = self.parts[0].dtype
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        pieces, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(index.start, offset), min(index.stop, offset + part.numel())
+            if hi > lo:
+                pieces.append(part[lo - offset:hi - offset])
+            offset += part.numel()
+        if not pieces:
+            return self.parts[0][:0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def zero3_model_file(dp: int, tp: int) -> str:
@@ -94,7 +127,7 @@ def _zero3_shard(folder: Path, tp: int, dp: int, tied: bool) -> dict:
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             groups = torch.load(path, map_location="cpu", weights_only=True, mmap=True)[
                 "optimizer_state_dict"]["fp32_flat_groups"]
-        flats.append(groups[0] if len(groups) == 1 else torch.cat(groups))
+        flats.append(groups[0] if len(groups) == 1 else _Concatenated(groups))
     shard, offset = {}, 0
     for name, shape in shapes:
         shard[name] = _Zero3Parameter(flats, offset, shape)
@@ -124,11 +157,66 @@ def _saved_shards(folder: Path, cfg: ModelConfig, saved: dict) -> list[dict]:
     return shards
 
 
+def merged_tensor(name: str, parts: list, cfg: ModelConfig) -> tuple[torch.Tensor, bool]:
+    """Parameter `name` at TP=1 (vocabulary padding removed) from `parts`, its tensor on each
+    saved TP rank: what tensor_parallel.merge_state_dicts makes of it, without copying where
+    nothing needs merging. Returns (tensor, fresh): fresh False when the tensor is a view of a
+    part (a memory-mapped file: clone it to keep it)."""
+    split = parameter_role(name, cfg).split
+    if split.dim is None:   # replicated: every TP rank must hold the same tensor
+        for i, part in enumerate(parts[1:], start=1):
+            if not torch.equal(part, parts[0]):
+                raise ValueError(f"replicated tensor '{name}' differs between TP rank 0 and "
+                                 f"rank {i}; the shards do not come from one consistent model.")
+        return parts[0], False
+    tensor, fresh = (parts[0], False) if len(parts) == 1 else (torch.cat(parts, dim=split.dim), True)
+    if split is Split.VOCAB:
+        tensor = tensor[:cfg.vocab_size]   # rows: still contiguous
+    return tensor, fresh
+
+
+class ModelState:
+    """The TP=1, unpadded LanguageModel weights of checkpoint folder `folder` (saved at layout
+    `saved`), one tensor at a time. The saved shards are memory-mapped and a tensor is read and
+    merged over TP only when asked for, so a reader that handles one tensor at a time (export-hf)
+    never holds more than one merged tensor. `names` is the state dict's order."""
+
+    def __init__(self, folder, cfg: ModelConfig, saved: dict):
+        self.folder, self.cfg = Path(folder), cfg
+        self.shards = _saved_shards(self.folder, cfg, saved)
+        self.names = list(self.shards[0])
+        for i, shard in enumerate(self.shards[1:], start=1):
+            if set(shard) != set(self.names):
+                raise ValueError(f"TP rank {i} has different keys from rank 0: "
+                                 f"{sorted(set(shard) ^ set(self.names))[:5]}")
+
+    def spec(self, name: str) -> tuple[torch.dtype, tuple]:
+        """(dtype, shape) of the merged tensor, from the saved shapes alone (nothing read)."""
+        first = self.shards[0][name]
+        shape, dim = list(first.shape), parameter_role(name, self.cfg).split.dim
+        if dim is not None:
+            shape[dim] = sum(shard[name].shape[dim] for shard in self.shards)
+            if parameter_role(name, self.cfg).split is Split.VOCAB:
+                shape[0] = self.cfg.vocab_size
+        return first.dtype, tuple(shape)
+
+    def tensor(self, name: str) -> tuple[torch.Tensor, bool]:
+        """(the merged tensor, fresh): see merged_tensor."""
+        parts = [shard[name].full() if isinstance(shard[name], _Zero3Parameter) else shard[name]
+                 for shard in self.shards]
+        tensor, fresh = merged_tensor(name, parts, self.cfg)
+        return tensor, fresh or isinstance(self.shards[0][name], _Zero3Parameter)   # full(): assembled, ours
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The merged tensor, a copy of its own (safe to keep or modify)."""
+        tensor, fresh = self.tensor(name)
+        return tensor if fresh else tensor.clone()
+
+
 def read_model_state(folder: Path, cfg: ModelConfig, saved: dict) -> dict:
     """The TP=1, unpadded LanguageModel state dict held by checkpoint folder `folder`."""
-    shards = [{name: t.full() if isinstance(t, _Zero3Parameter) else t for name, t in shard.items()}
-              for shard in _saved_shards(Path(folder), cfg, saved)]
-    return merge_state_dicts(shards, cfg)
+    state = ModelState(folder, cfg, saved)
+    return {name: state[name] for name in state.names}
 
 
 def local_slice(name: str, cfg: ModelConfig, tp: int, rank: int, parts: list) -> torch.Tensor:
@@ -153,26 +241,33 @@ def local_slice(name: str, cfg: ModelConfig, tp: int, rank: int, parts: list) ->
         offset += size
     shape = list(parts[0][0])
     shape[dim] = 0
-    tensor = torch.cat(pieces, dim=dim) if pieces else torch.zeros(shape)
+    if len(pieces) == 1:   # a view of its source: copied once, below
+        tensor, fresh = pieces[0], False
+    else:
+        tensor, fresh = (torch.cat(pieces, dim=dim) if pieces else torch.zeros(shape)), True
     if tensor.shape[dim] < per:   # vocabulary padding rows (dim 0), zero as in split_state_dict
-        tensor = torch.nn.functional.pad(tensor, (0, 0, 0, per - tensor.shape[dim]))
-    return tensor.clone()
+        tensor, fresh = torch.nn.functional.pad(tensor, (0, 0, 0, per - tensor.shape[dim])), True
+    return tensor if fresh else tensor.clone()
+
+
+def iter_local_state(folder: Path, cfg: ModelConfig, saved: dict, tp: int, rank: int, names):
+    """(name, TP rank `rank`'s piece at TP=`tp`) for the model names `names`, one at a time (each
+    a tensor of its own), from a checkpoint saved at layout `saved`: the weights a rank of
+    another layout loads. Every name is checked to be present before the first is read."""
+    shards = _saved_shards(Path(folder), cfg, saved)
+    names = list(names)
+    for name in names:
+        if any(name not in shard for shard in shards):
+            raise UserError(f"{folder} has no tensor {name}: the checkpoint is of another model "
+                            f"than this run's config.")
+    for name in names:
+        parts = [(tuple(shard[name].shape), shard[name].__getitem__) for shard in shards]
+        yield name, local_slice(name, cfg, tp, rank, parts)
 
 
 def read_local_state(folder: Path, cfg: ModelConfig, saved: dict, tp: int, rank: int, names) -> dict:
-    """{name: TP rank `rank`'s piece at TP=`tp`} for the model names `names`, from a checkpoint
-    saved at layout `saved`: the weights a rank of another layout loads."""
-    shards = _saved_shards(Path(folder), cfg, saved)
-    out = {}
-    for name in names:
-        parts = []
-        for shard in shards:
-            if name not in shard:
-                raise UserError(f"{folder} has no tensor {name}: the checkpoint is of another model "
-                                f"than this run's config.")
-            parts.append((tuple(shard[name].shape), shard[name].__getitem__))
-        out[name] = local_slice(name, cfg, tp, rank, parts)
-    return out
+    """{name: TP rank `rank`'s piece at TP=`tp`}: iter_local_state, collected."""
+    return dict(iter_local_state(folder, cfg, saved, tp, rank, names))
 
 
 def write_weights_only(staging: Path, shards: list[dict], cfg: ModelConfig, pipeline_parallel: int,

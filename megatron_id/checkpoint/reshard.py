@@ -184,17 +184,31 @@ def _deepspeed_safe_globals() -> list:
 
 
 def _load_deepspeed_file(path: Path) -> dict:
+    """One of DeepSpeed's files, memory-mapped (nothing is read until a tensor is touched)."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or its layout record is wrong.")
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _fragments(fragments: list, shape) -> dict:
+    """{fp32, exp_avg, exp_avg_sq} of one parameter from its DP fragments [(flat tensors of a
+    DP rank's group, fragment_address)]: views of the memory-mapped files where the parameter
+    lies in one partition, else the fragments concatenated (this parameter only)."""
+    out = {}
+    for key in ("fp32", *ADAM_KEYS):
+        parts = [flat[key].narrow(0, fragment.start, fragment.numel) for flat, fragment in fragments]
+        out[key] = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
+    return out
 
 
 def _zero12_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set) -> dict:
-    """{model name: per TP rank {fp32, exp_avg, exp_avg_sq}} of pipeline stage `stage` from
-    DeepSpeed's ZeRO-1/2 optimizer files: each DP rank's flat partitions cut back into
-    parameters with DeepSpeed's own slice mappings, the DP fragments concatenated."""
+    """{model name: per TP rank a function () -> {fp32, exp_avg, exp_avg_sq}} of pipeline stage
+    `stage` from DeepSpeed's ZeRO-1/2 optimizer files: each DP rank's flat partitions cut back
+    into parameters with DeepSpeed's own slice mappings, the DP fragments concatenated. The
+    files are memory-mapped: a parameter is read only when its function is called."""
     from collections import defaultdict
+    from functools import partial
     tp, pp, dp = layout["tensor"], layout["pipe"], layout["data"]
     shards = defaultdict(lambda: [None] * tp)
     for t in range(tp):
@@ -202,7 +216,7 @@ def _zero12_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set) -
         shapes = {}
         for group in _load_deepspeed_file(checkpoint / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]:
             shapes.update(group)
-        pieces = defaultdict(lambda: defaultdict(list))   # engine name -> key -> DP fragments
+        pieces = defaultdict(list)   # engine name -> [(flat tensors of a DP rank's group, fragment)]
         for d in range(dp):
             saved = _load_deepspeed_file(checkpoint / f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
             saved = saved["optimizer_state_dict"]
@@ -211,11 +225,9 @@ def _zero12_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set) -
                 flat = {"fp32": saved["single_partition_of_fp32_groups"][g], **{k: adam[k] for k in ADAM_KEYS}}
                 steps.add(float(adam["step"]))
                 for name, fragment in mapping.items():
-                    for key, values in flat.items():
-                        pieces[name][key].append(values.narrow(0, fragment.start, fragment.numel))
-        for name, by_key in pieces.items():
-            shards[_model_name(name, pp > 1, cfg.n_layers)][t] = {k: torch.cat(v).view(shapes[name])
-                                                                  for k, v in by_key.items()}
+                    pieces[name].append((flat, fragment))
+        for name, fragments in pieces.items():
+            shards[_model_name(name, pp > 1, cfg.n_layers)][t] = partial(_fragments, fragments, shapes[name])
     return shards
 
 
@@ -244,17 +256,21 @@ def _zero0_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set, we
                                           f"saved before the first optimizer step; there is nothing to convert.")
                 steps.add(float(adam["step"]))
                 name = _model_name(engine_name, pp > 1, cfg.n_layers)
-                shards[name][t] = {"fp32": weights[t][name], **{k: adam[k] for k in ADAM_KEYS}}
+                values = {"fp32": weights[t][name], **{k: adam[k] for k in ADAM_KEYS}}
+                shards[name][t] = lambda values=values: values
     return shards
 
 
 def extract_from_deepspeed(checkpoint: Path, client, out: Path) -> int:
     """Write `out` (an optim/ folder) from the optimizer files DeepSpeed wrote into
-    `checkpoint` (ZeRO-0, 1 or 2), the TP shards merged with our partition table. One pipeline
-    stage is in memory at a time. Returns the number of parameter files written."""
+    `checkpoint` (ZeRO-0, 1 or 2), the TP shards merged with our partition table. The files are
+    memory-mapped and one parameter is read, merged and written at a time (its file written
+    straight from the mapping where nothing needs merging): the conversion holds at most one
+    merged parameter's three tensors in memory (benchmarks/checkpoint_memory.py). Returns the
+    number of parameter files written."""
     from safetensors.torch import save_file
 
-    from .read import _saved_shards
+    from .read import _saved_shards, merged_tensor
     layout = client.layout
     cfg = client.model_config()
     out.mkdir(parents=True, exist_ok=True)
@@ -270,10 +286,12 @@ def extract_from_deepspeed(checkpoint: Path, client, out: Path) -> int:
                 continue
             if any(s is None for s in per_tp):
                 raise CheckpointError(f"{checkpoint}: {name} is missing from some TP ranks' optimizer state.")
-            merged = {k: merge_state_dicts([{name: s[k].float()} for s in per_tp], cfg)[name]
+            per_tp = [read() for read in per_tp]
+            merged = {k: merged_tensor(name, [s[k].float() for s in per_tp], cfg)[0].contiguous()
                       for k in ("fp32", *ADAM_KEYS)}
-            save_file({k: v.contiguous() for k, v in merged.items()}, str(out / f"{name}.safetensors"))
+            save_file(merged, str(out / f"{name}.safetensors"))
             written += 1
+            del per_tp, merged
     if len(steps) != 1:
         raise CheckpointError(f"{checkpoint}: Adam's step differs between parameter groups ({sorted(steps)}).")
     (out / META).write_text(json.dumps({"format": "megatron_id.reshardable_optimizer/1",
@@ -330,7 +348,8 @@ def convert(source: Path, output: Path, tensor_parallel: int | None = None,
                               f"resumes at any layout as it is; nothing to convert.")
     check_target_layout(client.model_config(), tensor_parallel, pipeline_parallel, folder)
     if client.weights_only:
-        raise CheckpointError(f"{folder} holds weights only (an import): there is no optimizer state to convert.")
+        raise CheckpointError(f"{folder} holds weights only (written by import-hf, with train.save_optimizer=false "
+                              f"or at step 0): there is no optimizer state to convert; it loads at any layout as it is.")
     if client.layout is None:
         raise CheckpointError(f"{folder} has no layout record (written before records existed): resume it "
                               f"once at its saving layout with train.reshardable_optimizer=true and save, "

@@ -119,12 +119,24 @@ def cross_layout_error(path: Path, saved: dict, current: dict) -> ConfigError:
         f"continue), or run at the saved layout to resume exactly.")
 
 
+def weights_only_resume_error(path: Path, step: int) -> ConfigError:
+    """A checkpoint without optimizer state (train.save_optimizer=false) past step 0, resumed with
+    train.load_optimizer=true: refused, as Megatron-LM refuses a --no-save-optim checkpoint
+    without --no-load-optim, since Adam would restart silently in the middle of a run."""
+    return ConfigError(
+        f"checkpoint {path} (step {step}) holds the weights only: it was saved with "
+        f"train.save_optimizer=false, so it has no optimizer state to resume exactly. Set "
+        f"train.load_optimizer=false to continue from its weights with fresh Adam state (the step, "
+        f"data position and LR schedule continue), or resume from a checkpoint saved with "
+        f"train.save_optimizer=true.")
+
+
 def check_resume_batch(folder: Path, global_batch_size: int) -> None:
     """The data position and the LR schedule continue from step x global batch: a resume with
     another global batch would re-read or skip data. Refused before any work [our choice:
     Megatron's batch-size ramp-up is not supported]."""
     client = read_client_state(folder)
-    if client.weights_only or client.consumed_samples is None or client.step == 0:
+    if client.consumed_samples is None or client.step == 0:   # an import records no data position
         return
     saved = client.consumed_samples // client.step
     if saved != global_batch_size:

@@ -6,33 +6,49 @@
   covers tokens [i * seq_length, (i + 1) * seq_length] of that stream (consecutive samples share
   one token: the last label of one is the first input of the next), and samples are shuffled.
   All from one seeded RandomState.
-- The three indices (document order, sample boundaries, sample order) are built vectorised
-  (a cumulative sum and a binary search, no C++ helper to compile), saved as .npy files keyed
-  by a hash of their description, built once by rank 0 while the others wait, and memory-mapped.
+- The three indices (document order, sample boundaries, sample order; sample_index.py) are
+  built in linear time with numpy, saved as .npy files keyed by a hash of their description,
+  built once by rank 0 while the others wait on its files (index_cache.py), and memory-mapped.
 - Blending several prefixes (`w1 p1 w2 p2 ...`): at each step take the dataset furthest behind
-  its weight, as Megatron does.
+  its weight, as Megatron does (a loop in C: csrc/blend_index.c).
 - `PretrainingSampler` resumes from a number of consumed samples: the order after resuming is
   the order without interruption.
-- `check_data(data_path, split, seq_length, vocab_size)` is the cheap check the trainer runs
-  before starting (no index is built): every prefix exists, every train split can make a sample
-  and every token id fits the model's vocabulary. Its errors are DataConfigError, the same on
-  every rank.
+- `check_data(data_path, split, seq_length, vocab_size, cache_dir, verify)` is the cheap check
+  the trainer runs before starting (no index is built): every prefix exists, every train split
+  can make a sample, every token id fits the model's vocabulary (the sidecar's range, or a scan
+  remembered in the cache folder for data without one) and the .bin matches the checksums its
+  sidecar recorded (a few chunks, or all with verify="full"). Its errors are DataConfigError,
+  the same on every rank.
+- `check_batch_token_ids` checks every batch as it is read: an id the model cannot embed stops
+  the run with the file, sequence and offset named (a .bin damaged after its checks).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
+import random
 import sys
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import UserError
-from .indexed_dataset import IndexedDataset, IndexedDatasetError, check_token_ids, resolve_prefix
+from .index_cache import BuildSession, cached_arrays
+from .indexed_dataset import (SAMPLED_CHUNKS, IndexedDataset, IndexedDatasetError, matching_meta,
+                              resolve_prefix, token_id_report, verify_bin)
+from .sample_index import build_blending_index, build_sample_index, epochs_needed, estimate_seconds
 
-INDEX_VERSION = 1
+# 2: arrays in the smallest integer type, doc_idx cut after the last document read (same values)
+INDEX_VERSION = 2
+
+
+class Verify(str, Enum):
+    """data.verify: how much of every .bin is checked against its sidecar's checksums at start."""
+    # (not "off": YAML reads an unquoted off as false)
+    none = "none"        # nothing beyond the sizes and the token-id range
+    sample = "sample"    # a few 16 MiB chunks drawn at random (about 32 for the whole blend)
+    full = "full"        # every chunk; for data without checksums, a full token-id scan
 
 
 class DataConfigError(UserError, ValueError):
@@ -124,81 +140,45 @@ def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
-# ---------------------------------------------------------------- cached indices
+# ---------------------------------------------------------------- the datasets
 
-def _is_rank0_and_sync():
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0, dist.barrier
-    except ImportError:
-        pass
-    return True, lambda: None
+class CorruptDataError(UserError, ValueError):
+    """A token id that the model cannot embed, found in a batch being read: the message names the
+    .bin, the sequence and the offset. Found by the rank that read it (not by every rank)."""
 
 
-def cached_arrays(description: dict, cache_dir, build) -> tuple[dict, bool]:
-    """Load the arrays for `description` from cache_dir, building them first if needed (rank 0
-    only under torch.distributed; the others wait at a barrier). Returns (arrays, built_here)."""
-    cache_dir = Path(cache_dir)
-    key = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
-    meta = cache_dir / f"{key}_description.json"
-    is_builder, barrier = _is_rank0_and_sync()
-    built = False
-    if is_builder and not meta.is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        arrays = build()
-        for name, array in arrays.items():
-            tmp = cache_dir / f".{key}_{name}.npy.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
-                np.save(f, array)
-            os.replace(tmp, cache_dir / f"{key}_{name}.npy")
-        tmp = cache_dir / f".{key}_description.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({**description, "arrays": sorted(arrays)}, indent=1, sort_keys=True))
-        os.replace(tmp, meta)   # written last: its presence means the arrays are complete
-        built = True
-    barrier()
-    if not meta.is_file():
-        raise FileNotFoundError(f"index cache {meta} is missing after rank 0 built it: the cache "
-                                f"folder {cache_dir} must be shared by all ranks.")
-    names = json.loads(meta.read_text())["arrays"]
-    return {n: np.load(cache_dir / f"{key}_{n}.npy", mmap_mode="r") for n in names}, built
-
-
-def build_sample_index(lengths: np.ndarray, documents: np.ndarray, num_samples: int,
-                       seq_length: int, seed: int) -> dict:
-    """The three Megatron indices for `num_samples` samples drawn from `documents`."""
-    tokens_per_epoch = int(lengths[documents].sum(dtype=np.int64))
-    if tokens_per_epoch < 2:
-        raise DataConfigError(f"the split holds {tokens_per_epoch} tokens: too few to make samples; "
-                              f"give it more documents (data.split) or more data.")
-    num_epochs = math.ceil((num_samples * seq_length + 1) / tokens_per_epoch)
-    rng = np.random.RandomState(seed)
-    doc_idx = np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int64)
-    ends = np.cumsum(lengths[doc_idx], dtype=np.int64)             # stream offset after each doc
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    position = np.searchsorted(ends, starts, side="right")         # which doc holds each start
-    offset = starts - (ends[position] - lengths[doc_idx[position]])
-    sample_idx = np.stack([position, offset], axis=1).astype(np.int64)
-    shuffle_idx = rng.permutation(num_samples).astype(np.int64)
-    return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+def _index_description(kind: str, **fields) -> dict:
+    return {"class": kind, "version": INDEX_VERSION, **fields}
 
 
 class GPTDataset:
-    """`num_samples` samples of seq_length + 1 tokens (int64) from `documents` of `indexed`."""
+    """`num_samples` samples of seq_length + 1 tokens (int64) from `documents` of `indexed`.
+    The index arrays (sample_index.py) are built once by rank 0 into `cache_dir` and
+    memory-mapped by every rank (index_cache.py)."""
 
     def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], num_samples: int,
-                 seq_length: int, seed: int, cache_dir, name: str = "train"):
+                 seq_length: int, seed: int, cache_dir, name: str = "train", session: BuildSession | None = None):
         self.indexed, self.seq_length, self.num_samples, self.name = indexed, seq_length, num_samples, name
         start, end = documents
         if end <= start:
             raise DataConfigError(f"{name} split of {indexed.prefix} has no documents "
                                   f"({start}:{end}); change data.split or the data.")
-        description = {"class": "GPTDataset", "version": INDEX_VERSION, "name": name,
-                       "prefix": str(Path(indexed.prefix).resolve()), "num_documents": len(indexed),
-                       "num_tokens": indexed.num_tokens, "documents": [start, end],
-                       "num_samples": num_samples, "seq_length": seq_length, "seed": seed}
-        arrays, self.built_index = cached_arrays(description, cache_dir, lambda: build_sample_index(
-            indexed.lengths, np.arange(start, end, dtype=np.int64), num_samples, seq_length, seed))
+        tokens = int(indexed.lengths[start:end].sum(dtype=np.int64))
+        if tokens < 2:
+            raise DataConfigError(f"the {name} split of {indexed.prefix} holds {tokens} tokens: too few to make "
+                                  f"samples; give it more documents (data.split) or more data.")
+        description = _index_description(
+            "GPTDataset", name=name, prefix=str(Path(indexed.prefix).resolve()), num_documents=len(indexed),
+            num_tokens=indexed.num_tokens, documents=[start, end], num_samples=num_samples,
+            seq_length=seq_length, seed=seed)
+        epochs = epochs_needed(tokens, num_samples, seq_length)
+        what = (f"the {name} sample index of {indexed.prefix} ({num_samples:,} samples from {end - start:,} "
+                f"documents x {epochs} epoch{'s' if epochs > 1 else ''})")
+        arrays, self.built_index = cached_arrays(
+            description, cache_dir, lambda progress: build_sample_index(
+                indexed.lengths, (start, end), num_samples, seq_length, seed, progress),
+            session=session, what=what,
+            estimate_s=estimate_seconds(documents=end - start, epochs=epochs, samples=num_samples))
         self.doc_idx, self.sample_idx, self.shuffle_idx = (
             arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"])
 
@@ -216,35 +196,31 @@ class GPTDataset:
         parts.append(self.indexed.get(int(self.doc_idx[last]), 0, int(last_off) + 1))
         return np.concatenate(parts).astype(np.int64)
 
-
-def build_blending_index(weights, num_samples: int) -> dict:
-    """Megatron's greedy blend: sample i comes from the dataset furthest behind its weight."""
-    weights = [float(w) for w in weights]
-    counts = [0] * len(weights)
-    dataset_index = np.empty(num_samples, dtype=np.int16)
-    sample_index = np.empty(num_samples, dtype=np.int64)
-    for i in range(num_samples):
-        best, best_err = 0, -math.inf
-        for d, w in enumerate(weights):
-            err = w * (i + 1) - counts[d]
-            if err > best_err:
-                best, best_err = d, err
-        dataset_index[i], sample_index[i] = best, counts[best]
-        counts[best] += 1
-    return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+    def locate(self, i: int, k: int) -> tuple[Path, int, int]:
+        """Where token k of sample i comes from: (.bin path, sequence, offset in the sequence)."""
+        j = int(self.shuffle_idx[i])
+        position, offset = int(self.sample_idx[j][0]), int(self.sample_idx[j][1])
+        while True:
+            sequence = int(self.doc_idx[position])
+            left = int(self.indexed.lengths[sequence]) - offset
+            if k < left:
+                return self.indexed.bin_path, sequence, offset + k
+            k, position, offset = k - left, position + 1, 0
 
 
 class BlendedDataset:
-    def __init__(self, datasets, weights, num_samples: int, cache_dir, name: str = "train"):
+    def __init__(self, datasets, weights, num_samples: int, cache_dir, name: str = "train",
+                 session: BuildSession | None = None):
         self.datasets, self.num_samples = datasets, num_samples
-        description = {"class": "BlendedDataset", "version": INDEX_VERSION, "name": name,
-                       "weights": [float(w) for w in weights], "num_samples": num_samples,
-                       "datasets": [len(d) for d in datasets]}
+        description = _index_description("BlendedDataset", name=name, weights=[float(w) for w in weights],
+                                         num_samples=num_samples, datasets=[len(d) for d in datasets])
+        what = f"the {name} blend index ({num_samples:,} samples over {len(datasets)} datasets)"
         arrays, self.built_index = cached_arrays(
-            description, cache_dir, lambda: build_blending_index(weights, num_samples))
+            description, cache_dir, lambda progress: build_blending_index(weights, num_samples, progress),
+            session=session, what=what, estimate_s=estimate_seconds(samples=num_samples, blend_datasets=len(datasets)))
         self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
-        for d, ds in enumerate(datasets):
-            need = int((np.asarray(self.dataset_index) == d).sum())
+        needs = np.bincount(np.asarray(self.dataset_index), minlength=len(datasets))
+        for d, (need, ds) in enumerate(zip(needs, datasets)):
             if need > len(ds):
                 raise ValueError(f"blend needs {need} samples from dataset {d} but it holds {len(ds)}.")
 
@@ -254,11 +230,48 @@ class BlendedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
+    def locate(self, i: int, k: int) -> tuple[Path, int, int]:
+        return self.datasets[int(self.dataset_index[i])].locate(int(self.dataset_sample_index[i]), k)
 
-def build_gpt_datasets(data_path, split: str, num_samples, seq_length: int, seed: int, cache_dir):
+
+def check_batch_token_ids(dataset, indices, batch, vocab_size: int, what: str = "model.vocab_size") -> None:
+    """Stop on a token id the model cannot embed (>= vocab_size, or negative) in a batch just
+    read from `dataset` (GPTDataset or BlendedDataset; `batch[r]` is sample `indices[r]`):
+    CorruptDataError naming the .bin, the sequence, the offset and the fix. Callers test the
+    batch's min and max first (cheap); this finds where the first bad id came from."""
+    bad = np.argwhere((np.asarray(batch) >= vocab_size) | (np.asarray(batch) < 0))
+    if not len(bad):
+        return
+    row, k = (int(x) for x in bad[0])
+    value = int(batch[row][k])
+    path, sequence, offset = dataset.locate(int(indices[row]), k)
+    byte = int(IndexedDataset(path).pointers[sequence]) + offset * np.dtype(IndexedDataset(path).dtype).itemsize
+    problem = "is negative" if value < 0 else f"is >= {what}={vocab_size}"
+    raise CorruptDataError(
+        f"{path}: token id {value} at sequence {sequence:,}, token {offset:,} of it (byte {byte:,} of the file), "
+        f"{problem} ({len(bad):,} such id{'s' if len(bad) > 1 else ''} in this batch of training sample "
+        f"{int(indices[row]):,}): the .bin is damaged, or was not made with this model's tokenizer. python -m "
+        f"data_tools.inspect {str(path)[:-4]} --check lists its token ids; re-create it with data_tools.preprocess "
+        f"or restore it from the original copy.")
+
+
+def default_cache_dir(data_path) -> Path:
+    """data.index_cache_dir when unset: `index-cache` beside the first prefix of the data path."""
+    return Path(parse_data_path(data_path)[0][1]).parent / "index-cache"
+
+
+def build_gpt_datasets(data_path, split: str, num_samples, seq_length: int, seed: int, cache_dir,
+                       stale_after_s: float | None = None):
     """(train, valid, test) datasets for `num_samples` = (n_train, n_valid, n_test); a split
-    with no samples requested (or no documents) is None."""
+    with no samples requested (or no documents) is None. Every rank calls it together; rank 0
+    builds missing indices, the others wait for its files (index_cache.py; they give up after
+    `stale_after_s` without a sign of life from rank 0)."""
     blend = parse_data_path(data_path)
+    with BuildSession(cache_dir, stale_after_s) as session:
+        return _build_gpt_datasets(blend, split, num_samples, seq_length, seed, cache_dir, session)
+
+
+def _build_gpt_datasets(blend, split, num_samples, seq_length, seed, cache_dir, session):
     out = []
     for s, (name, n) in enumerate(zip(("train", "valid", "test"), num_samples)):
         if n <= 0:
@@ -271,23 +284,53 @@ def build_gpt_datasets(data_path, split: str, num_samples, seq_length: int, seed
             if docs[1] <= docs[0]:
                 continue
             share = n if len(blend) == 1 else int(math.ceil(weight * n * 1.005)) + 1
-            parts.append(GPTDataset(indexed, docs, share, seq_length, seed, cache_dir, name))
+            parts.append(GPTDataset(indexed, docs, share, seq_length, seed, cache_dir, name, session))
             weights.append(weight)
         if not parts:
             out.append(None)
         elif len(parts) == 1:
             out.append(parts[0])
         else:
-            out.append(BlendedDataset(parts, weights, n, cache_dir, name))
+            out.append(BlendedDataset(parts, weights, n, cache_dir, name, session))
     return tuple(out)
 
 
-def check_data(data_path, split, seq_length: int, vocab_size: int) -> None:
-    """Cheap checks before training (no index is built; a token-id scan only for a prefix
-    without its .meta.json sidecar): every prefix of `data_path` exists, the train split of every
-    prefix with a positive weight has documents and at least seq_length + 1 tokens, and every
-    token id is below `vocab_size`. Raises DataConfigError (same_on_every_rank) naming the
-    prefix, the value and the fix."""
+def check_contents(prefix, vocab_size: int, cache_dir=None, verify: Verify | str = Verify.sample, chunks: int = 1,
+                   what: str = "") -> bool:
+    """The contents of one dataset before training: every token id below `vocab_size` (the
+    sidecar's range; without a sidecar a scan, remembered in `cache_dir` so the next launch does
+    not scan again) and, per `verify`, the .bin against its sidecar's checksums (`chunks` random
+    chunks, or all). Raises DataConfigError (`what` first, naming the setting); returns whether
+    the sidecar holds checksums."""
+    verify = Verify(verify)
+    ds = IndexedDataset(prefix)
+    full = verify == Verify.full
+    summed = isinstance((matching_meta(ds) or {}).get("checksum"), dict)
+    problems = verify_bin(ds, full=full, chunks=chunks, rng=random.Random()) if summed and verify != Verify.none else []
+    if not problems:   # (bytes that match their checksums hold the sidecar's id range: no scan needed)
+        _, problems = token_id_report(ds, vocab_size, scan=full and not summed, scan_cache=cache_dir)
+    if problems:
+        raise DataConfigError(what + problems[0])
+    return summed
+
+
+def _say_unchecked(prefixes: list[str], verify: Verify) -> None:
+    if prefixes and verify != Verify.none:
+        checked = "their token-id range was scanned instead" if verify == Verify.full else "they were not"
+        print(f"note: {len(prefixes)} dataset(s) record no checksums ({', '.join(prefixes[:3])}"
+              f"{', ...' if len(prefixes) > 3 else ''}; made before checksums were recorded, or by another tool): "
+              f"data.verify={verify.value} could not check their .bin, {checked}. python -m data_tools.inspect "
+              f"PREFIX --write-meta records them once.", file=sys.stderr, flush=True)
+
+
+def check_data(data_path, split, seq_length: int, vocab_size: int, cache_dir=None,
+               verify: Verify | str = Verify.sample) -> None:
+    """Cheap checks before training (no index is built): every prefix of `data_path` exists,
+    the train split of every prefix with a positive weight has documents and at least
+    seq_length + 1 tokens, every token id is below `vocab_size`, and the .bin files match their
+    sidecars' checksums (check_contents; about SAMPLED_CHUNKS chunks in all with verify="sample").
+    Raises DataConfigError (same_on_every_rank) naming the prefix, the value and the fix."""
+    verify = Verify(verify)
     blend = parse_data_path(data_path)
     parse_split(split)
     repeated = repeated_prefixes(data_path)
@@ -295,6 +338,7 @@ def check_data(data_path, split, seq_length: int, vocab_size: int) -> None:
         print(f"note: data.data_path names {', '.join(sorted(set(repeated)))} more than once: read as one "
               f"dataset each, with the weights summed (each sample once per epoch, not twice in a row)",
               file=sys.stderr, flush=True)
+    unchecked = []
     for weight, prefix in blend:
         try:
             indexed = IndexedDataset(prefix)
@@ -315,19 +359,25 @@ def check_data(data_path, split, seq_length: int, vocab_size: int) -> None:
                     f"{seq_length + 1:,} needed for one sample: use more data, a larger train share "
                     f"or a smaller model.seq_length.")
         try:
-            check_token_ids(indexed.prefix, vocab_size)
+            if not check_contents(indexed.prefix, vocab_size, cache_dir, verify, max(1, SAMPLED_CHUNKS // len(blend))):
+                unchecked.append(str(indexed.prefix))
         except IndexedDatasetError as err:
             raise DataConfigError(str(err)) from None
+    _say_unchecked(unchecked, verify)
 
 
-def check_valid_set(name: str, data_path, seq_length: int, vocab_size: int) -> None:
+def check_valid_set(name: str, data_path, seq_length: int, vocab_size: int, cache_dir=None,
+                    verify: Verify | str = Verify.sample) -> None:
     """data.valid_sets.<name> before training: its prefixes exist, each holds a sample
-    (seq_length + 1 tokens), and every token id is below `vocab_size`."""
+    (seq_length + 1 tokens), every token id is below `vocab_size` and the .bin files match their
+    checksums (check_contents)."""
+    verify = Verify(verify)
     key = f"data.valid_sets.{name}"
     try:
         blend = parse_data_path(data_path)
     except DataConfigError as err:
         raise DataConfigError(f"{key}: {err}") from None
+    unchecked = []
     for _, prefix in blend:
         try:
             indexed = IndexedDataset(prefix)
@@ -338,9 +388,12 @@ def check_valid_set(name: str, data_path, seq_length: int, vocab_size: int) -> N
             raise DataConfigError(f"{key}: {indexed.prefix} holds {tokens:,} tokens, fewer than model.seq_length + 1 "
                                   f"= {seq_length + 1:,} needed for one sample: give a larger held-out set.")
         try:
-            check_token_ids(indexed.prefix, vocab_size)
+            if not check_contents(indexed.prefix, vocab_size, cache_dir, verify, max(1, SAMPLED_CHUNKS // len(blend)),
+                                  what=f"{key}: "):
+                unchecked.append(str(indexed.prefix))
         except IndexedDatasetError as err:
             raise DataConfigError(f"{key}: {err}") from None
+    _say_unchecked(unchecked, verify)
 
 
 class PretrainingSampler:

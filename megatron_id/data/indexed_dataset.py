@@ -26,7 +26,15 @@ Beside the pair, writers put a small sidecar `<prefix>.meta.json` (ours; Megatro
      "max_token_id": 50256, "min_token_id": 0, "num_sequences": 150, "num_documents": 150,
      "num_tokens": 89203,
      "tokenizer": "/abs/path/tokenizer.json", "tokenizer_id": "vocab:1a2b3c4d5e6f7a8b",
-     "eod_id": 50256}
+     "eod_id": 50256, "bin_bytes": 178406,
+     "checksum": {"algorithm": "crc32", "chunk_bytes": 16777216, "chunks": [2882382797]}}
+
+`checksum` holds the crc32 of every 16 MiB of the .bin, computed as it was written, so that
+`verify_bin` can check a few chunks at every launch (train: data.verify=sample, the default) or
+all of them (data.verify=full) and a .bin changed after preprocessing is refused with the bytes
+that differ named. Sidecars written before it was recorded lack it (and `bin_bytes`); so does
+Megatron-made data, which has no sidecar at all: `python -m data_tools.inspect PREFIX
+--write-meta` writes one.
 
 `tokenizer_id` is the tokenizer's identity (megatron_id/data/tokenizer.py: a hash of its id ->
 token table); sidecars written before it was recorded lack the key, and read as unknown.
@@ -37,11 +45,15 @@ training on ids it cannot embed.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import struct
+import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +71,8 @@ DOCUMENT_SUFFIX = "_text_document"
 
 META_FORMAT = "megatron_id.dataset_meta/1"
 SCAN_CHUNK_TOKENS = 64 * 1024 * 1024   # tokens per memory-mapped slice when scanning a .bin
+CHECKSUM_CHUNK_BYTES = 1 << 24         # the .bin's crc32 is recorded per 16 MiB
+SAMPLED_CHUNKS = 32                    # data.verify=sample checks about this many chunks per blend
 
 
 class IndexedDatasetError(UserError, ValueError):
@@ -145,6 +159,29 @@ def remove_stale_temps(targets) -> list[Path]:
     return removed
 
 
+class ChunkChecksums:
+    """crc32 of every `chunk_bytes` of a byte stream, fed in pieces of any size."""
+
+    def __init__(self, chunk_bytes: int = CHECKSUM_CHUNK_BYTES):
+        self.chunk_bytes, self.chunks, self._crc, self._filled = chunk_bytes, [], 0, 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self._filled)
+            self._crc = zlib.crc32(view[:take], self._crc)
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_bytes:
+                self.chunks.append(self._crc)
+                self._crc, self._filled = 0, 0
+
+    def record(self) -> dict:
+        """The sidecar's `checksum` entry for what was fed so far."""
+        chunks = self.chunks + ([self._crc] if self._filled else [])
+        return {"algorithm": "crc32", "chunk_bytes": self.chunk_bytes, "chunks": chunks}
+
+
 def read_meta(prefix: str | os.PathLike) -> dict | None:
     """The sidecar of `prefix` as a dict, or None when it is absent, unreadable or not ours."""
     try:
@@ -188,6 +225,7 @@ class IndexedDatasetWriter:
         self._bin_tmp, self._idx_tmp = temp_path(self.bin_path), temp_path(self.idx_path)
         self._meta_tmp = temp_path(self.meta_path)
         self._bin = open(self._bin_tmp, "wb")
+        self._checksums = ChunkChecksums()
         self._lengths = np.zeros(1024, dtype=np.int32)
         self._documents = np.zeros(1024, dtype=np.int64)   # [0, end of doc 1, ...] in sequences
         self.num_documents = 0
@@ -210,7 +248,7 @@ class IndexedDatasetWriter:
         tokens = np.asarray(tokens)
         if tokens.size:
             self._see(tokens.min(), tokens.max())
-        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._write_bin(tokens.astype(self.dtype, copy=False).tobytes())
         if self.num_sequences == len(self._lengths):
             self._lengths = np.resize(self._lengths, 2 * len(self._lengths))
         self._lengths[self.num_sequences] = tokens.size
@@ -225,7 +263,7 @@ class IndexedDatasetWriter:
         flat = np.asarray(flat)
         if flat.size:
             self._see(flat.min(), flat.max())
-        self._bin.write(flat.astype(self.dtype, copy=False).tobytes())
+        self._write_bin(flat.astype(self.dtype, copy=False).tobytes())
         self._extend_lengths(lengths)
         counts = np.ones(len(lengths), dtype=np.int64) if sequences_per_document is None else \
             np.asarray(sequences_per_document, dtype=np.int64)
@@ -243,10 +281,14 @@ class IndexedDatasetWriter:
         for start in range(0, other.num_tokens, chunk_tokens):
             chunk = np.asarray(other._bin[start:start + chunk_tokens])
             self._see(chunk.min(), chunk.max())
-            self._bin.write(chunk.tobytes())
+            self._write_bin(chunk.tobytes())
         self._extend_lengths(other.lengths)
         self._end_documents(np.diff(other.document_index))   # its documents, as they were
         self.num_tokens += other.num_tokens
+
+    def _write_bin(self, data: bytes) -> None:
+        self._bin.write(data)
+        self._checksums.update(data)
 
     def _extend_lengths(self, lengths) -> None:
         need = self.num_sequences + len(lengths)
@@ -270,7 +312,8 @@ class IndexedDatasetWriter:
                 "max_token_id": self.max_token_id, "min_token_id": self.min_token_id,
                 "num_sequences": self.num_sequences, "num_documents": self.num_documents,
                 "num_tokens": self.num_tokens,
-                "tokenizer": self.tokenizer, "tokenizer_id": self.tokenizer_id, "eod_id": self.eod_id}
+                "tokenizer": self.tokenizer, "tokenizer_id": self.tokenizer_id, "eod_id": self.eod_id,
+                "bin_bytes": self.num_tokens * self.dtype.itemsize, "checksum": self._checksums.record()}
 
     def prepare(self) -> None:
         """Close the .bin and write the .idx and the sidecar, all still under temporary names."""
@@ -411,28 +454,131 @@ def matching_meta(ds: IndexedDataset) -> dict | None:
     return None
 
 
-def scan_token_range(ds: IndexedDataset, chunk_tokens: int = SCAN_CHUNK_TOKENS) -> tuple[int | None, int | None]:
-    """(min, max) token id of the .bin, read in memory-mapped slices of `chunk_tokens` that are
-    unmapped one after the other, so the memory used stays bounded whatever the file size."""
+def scan_bin(ds: IndexedDataset, chunk_tokens: int = SCAN_CHUNK_TOKENS, checksum: bool = False) -> dict:
+    """One pass over the .bin in memory-mapped slices of `chunk_tokens`, unmapped one after the
+    other (memory stays bounded whatever the file size): {"min", "max"} token id (None when
+    empty) and, with `checksum`, the sidecar's "checksum" record."""
     total = ds.num_tokens
     low = high = None
+    sums = ChunkChecksums() if checksum else None
     for start in range(0, total, chunk_tokens):
         count = min(chunk_tokens, total - start)
         part = np.memmap(ds.bin_path, mode="r", dtype=ds.dtype, offset=start * ds.dtype.itemsize,
                          shape=(count,))
         lo, hi = int(part.min()), int(part.max())
+        if sums is not None:
+            sums.update(part)
         del part
         low = lo if low is None else min(low, lo)
         high = hi if high is None else max(high, hi)
-    return low, high
+    return {"min": low, "max": high, **({"checksum": sums.record()} if sums is not None else {})}
+
+
+def scan_token_range(ds: IndexedDataset, chunk_tokens: int = SCAN_CHUNK_TOKENS) -> tuple[int | None, int | None]:
+    """(min, max) token id of the .bin (scan_bin without the checksum)."""
+    found = scan_bin(ds, chunk_tokens)
+    return found["min"], found["max"]
+
+
+# ---------------------------------------------------------------- a scan remembered (data without sidecar)
+
+SCAN_CACHE_FORMAT = "megatron_id.scan_cache/1"
+
+
+def _file_identity(path: Path) -> list[int]:
+    """What tells a file changed without reading it: its size and modification time (ns)."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def scan_cache_path(ds: IndexedDataset, cache_dir) -> Path:
+    """Where the scan of a dataset without sidecar is remembered: one small JSON file per
+    dataset in the index cache folder, named by a hash of its absolute prefix."""
+    digest = hashlib.md5(str(Path(ds.prefix).resolve()).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"scan-{Path(ds.prefix).name}-{digest}.json"
+
+
+def cached_scan(ds: IndexedDataset, cache_dir) -> dict | None:
+    """The remembered {"min", "max"} of `ds`, or None when there is none or the .bin/.idx have
+    changed since (size or modification time)."""
+    try:
+        record = json.loads(scan_cache_path(ds, cache_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != SCAN_CACHE_FORMAT or \
+            record.get("bin") != _file_identity(ds.bin_path) or record.get("idx") != _file_identity(ds.idx_path):
+        return None
+    return {"min": record.get("min"), "max": record.get("max")}
+
+
+def remember_scan(ds: IndexedDataset, cache_dir, found: dict) -> Path | None:
+    """Write the scan's facts for the next launch (atomically); None, with a note, where the
+    cache folder cannot be written (the next launch scans again)."""
+    path = scan_cache_path(ds, cache_dir)
+    record = {"format": SCAN_CACHE_FORMAT, "prefix": str(Path(ds.prefix).resolve()), "dtype": str(ds.dtype),
+              "num_tokens": ds.num_tokens, "num_sequences": len(ds), "min": found["min"], "max": found["max"],
+              "bin": _file_identity(ds.bin_path), "idx": _file_identity(ds.idx_path)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = temp_path(path)
+        temporary.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(temporary, path)
+        return path
+    except OSError as err:
+        print(f"note: could not remember the token-id scan of {ds.prefix} in {path.parent} ({err.strerror or err}): "
+              f"the next launch scans it again; python -m data_tools.inspect {ds.prefix} --write-meta writes its "
+              f"sidecar once", file=sys.stderr, flush=True)
+        return None
+
+
+# ---------------------------------------------------------------- the .bin against its recorded checksums
+
+def verify_bin(ds: IndexedDataset, full: bool = False, chunks: int = 1, rng: random.Random | None = None) -> list[str]:
+    """Check the .bin against the crc32 its sidecar recorded when it was written: every chunk
+    (`full`) or `chunks` chunks drawn at random. Returns the problems ([] also when the sidecar
+    records no checksum: callers say so)."""
+    meta = matching_meta(ds)
+    record = (meta or {}).get("checksum")
+    if not isinstance(record, dict):
+        return []
+    meta_file = meta_path(ds.prefix)
+    size = ds.bin_path.stat().st_size
+    chunk_bytes, sums = record.get("chunk_bytes"), record.get("chunks")
+    if record.get("algorithm") != "crc32" or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or \
+            not isinstance(sums, list) or len(sums) != -(-size // chunk_bytes):
+        return [f"{meta_file} has a checksum record that does not describe {ds.bin_path} ({size:,} bytes): "
+                f"the sidecar is damaged. Re-create it with python -m data_tools.inspect {ds.prefix} --write-meta "
+                f"--replace-meta, if the .bin is known to be good."]
+    rng = rng or random.Random()
+    picked = range(len(sums)) if full else sorted(rng.sample(range(len(sums)), min(chunks, len(sums))))
+    bad = []
+    with open(ds.bin_path, "rb") as f:
+        for i in picked:
+            f.seek(i * chunk_bytes)
+            if zlib.crc32(f.read(chunk_bytes)) != sums[i]:
+                bad.append(i)
+                if not full:
+                    break
+    if not bad:
+        return []
+    i = bad[0]
+    end = min((i + 1) * chunk_bytes, size)
+    span = f"bytes {i * chunk_bytes:,}..{end - 1:,} (tokens from {i * chunk_bytes // ds.dtype.itemsize:,})"
+    what = (f"{len(bad):,} of its {len(sums):,} chunks of {chunk_bytes:,} bytes (the first: {span}) do not match the "
+            f"checksums" if full else f"{span} do not match the checksum")
+    return [f"{ds.bin_path}: {what} {meta_file} recorded when the file was written: the .bin was changed or "
+            f"damaged after it was made. python -m data_tools.inspect {ds.prefix} --check shows its token ids; "
+            f"re-create it with data_tools.preprocess, or restore it from the original copy."]
 
 
 def token_id_report(ds: IndexedDataset, vocab_size: int | None = None, *, scan: bool = False,
-                    what: str = "model.vocab_size") -> tuple[dict, list[str]]:
+                    what: str = "model.vocab_size", scan_cache=None) -> tuple[dict, list[str]]:
     """The token-id range of a dataset and the problems found with it.
 
     Uses the sidecar when it matches the pair (same dtype, number of tokens and sequences) and
-    `scan` is False, else scans the .bin. Problems: the sidecar's dtype differs from the .idx
+    `scan` is False, else scans the .bin; without a sidecar and with a `scan_cache` folder, the
+    scan is remembered there (keyed by the files' size and modification time) and a later call
+    reads it instead of scanning again (source "scan cache"). Problems: the sidecar's dtype differs from the .idx
     dtype code (the index was written or patched with the wrong code, e.g. int16 over uint16
     data, whose ids above 32767 then read as negative), a negative id, an id at or above
     `vocab_size` (named `what` in the message), and a scanned range that contradicts the
@@ -451,10 +597,15 @@ def token_id_report(ds: IndexedDataset, vocab_size: int | None = None, *, scan: 
             f"32767 negative). Re-create the pair with data_tools.preprocess, or set byte 17 of "
             f"the .idx to {code} ({recorded}).")
     use_meta = matches and not problems and not scan
+    remembered = cached_scan(ds, scan_cache) if scan_cache is not None and not matches and not scan else None
     if use_meta:
         low, high, source = meta.get("min_token_id"), meta.get("max_token_id"), "sidecar"
+    elif remembered is not None:
+        low, high, source = remembered["min"], remembered["max"], "scan cache"
     else:
         (low, high), source = scan_token_range(ds), "scan"
+        if scan_cache is not None and not matches:
+            remember_scan(ds, scan_cache, {"min": low, "max": high})
         if matches and not problems and (low, high) != (meta.get("min_token_id"), meta.get("max_token_id")):
             problems.append(f"{ds.bin_path} holds token ids {low}..{high} but {meta_file} records "
                             f"{meta.get('min_token_id')}..{meta.get('max_token_id')}: the .bin was "
@@ -478,14 +629,15 @@ def token_id_report(ds: IndexedDataset, vocab_size: int | None = None, *, scan: 
     return info, problems
 
 
-def check_token_ids(prefix, vocab_size: int) -> dict:
+def check_token_ids(prefix, vocab_size: int, scan_cache=None) -> dict:
     """Make sure every token id of the dataset at `prefix` fits a model vocabulary of
     `vocab_size` (and none is negative) before training on it; cheap when the `.meta.json`
-    sidecar matches the pair, else one bounded-memory scan of the .bin. Raises
-    IndexedDatasetError naming the file, the value and the fix; returns
-    {"min", "max", "source" ("sidecar" or "scan"), "vocab_size" (recorded, or None), "meta"}."""
+    sidecar matches the pair, else one bounded-memory scan of the .bin (remembered in
+    `scan_cache` for the next launch). Raises IndexedDatasetError naming the file, the value and
+    the fix; returns {"min", "max", "source" ("sidecar", "scan" or "scan cache"), "vocab_size"
+    (recorded, or None), "meta"}."""
     ds = IndexedDataset(prefix)
-    info, problems = token_id_report(ds, vocab_size)
+    info, problems = token_id_report(ds, vocab_size, scan_cache=scan_cache)
     if problems:
         raise IndexedDatasetError(problems[0])
     return info

@@ -123,7 +123,7 @@ def _check_data_tokenizer(trained, data_path, allow: bool) -> None:
 
 def gpt_rows(trained, args) -> tuple[np.ndarray, dict]:
     """The trainer's samples of the validation (or another) split, as [count, seq_length + 1]."""
-    from ..data.gpt_dataset import build_gpt_datasets, parse_data_path
+    from ..data.gpt_dataset import build_gpt_datasets, default_cache_dir, parse_data_path
     from ..data.indexed_dataset import IndexedDataset
     record = (trained.client.data if trained.client is not None else None) or {}
     data_path = args.data or record.get("data_path")
@@ -150,8 +150,7 @@ def gpt_rows(trained, args) -> tuple[np.ndarray, dict]:
         samples = max((tokens - 1) // seq, 1)
     nums = [0, 0, 0]
     nums[which] = samples
-    cache = args.index_cache_dir or record.get("index_cache_dir") or \
-        str(Path(parse_data_path(data_path)[0][1]).parent / "index-cache")
+    cache = args.index_cache_dir or record.get("index_cache_dir") or default_cache_dir(data_path)
     dataset = build_gpt_datasets(data_path, split, tuple(nums), seq, seed, cache)[which]
     if dataset is None:
         raise EvalError(f"data.split={split} leaves no {args.split_name} documents in {' '.join(map(str, data_path))}.")

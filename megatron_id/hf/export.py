@@ -31,8 +31,8 @@ from omegaconf.errors import OmegaConfBaseException
 from ..config import ffn_hidden_size
 from ..errors import BadOptionError, OutputExistsError, UserError, refuse_output_inside
 from ..checkpoint.files import (CLIENT_STATE, ClientState, model_config_dict, model_config_from_dict,
-                                read_client_state, tag_for)
-from ..checkpoint.read import checkpoint_folder, read_model_state, write_weights_only
+                                read_client_state, save_safetensors, tag_for)
+from ..checkpoint.read import ModelState, checkpoint_folder, write_weights_only
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
 from ..data.tokenizer import check_tokenizer_for_model, find_tokenizer, load_tokenizer
@@ -163,6 +163,8 @@ def why_not_an_import(folder: Path) -> str | None:
         return f"{folder / IMPORT_TAG / CLIENT_STATE} is missing or damaged"
     if not client.weights_only:
         return f"{IMPORT_TAG} is a training checkpoint (not weights only): a training history is never replaced"
+    if client.data is not None:   # a run's step-0 save (train.extra_save_steps) records its data
+        return f"{IMPORT_TAG} is a training checkpoint (written by a run): a training history is never replaced"
     return None
 
 
@@ -243,7 +245,6 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
               allow_tokenizer_mismatch: bool = False) -> Path:
     """Write the Hugging Face folder `output` (see the module doc for when an existing one is
     replaced). Every check runs before anything is written."""
-    from safetensors.torch import save_file
     _positive("--prefill-chunk-size", prefill_chunk_size, "tokens per prefill chunk; default 2048")
     folder = checkpoint_folder(checkpoint)
     output = Path(output).resolve()
@@ -261,11 +262,14 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
     # embedding table (else every transformers user fails on the first such id)
     tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(tokenizer)), tokenizer, cfg.vocab_size,
                                              client.tokenizer_id, folder, allow=allow_tokenizer_mismatch)
-    weights = read_model_state(folder, cfg, client.layout)
+    # memory-mapped, merged over TP one tensor at a time as the file is written: the export
+    # never holds the model (benchmarks/checkpoint_memory.py)
+    weights = ModelState(folder, cfg, client.layout)
 
     def build(staging: Path) -> None:
-        save_file({f"model.{k}": v.contiguous().clone() for k, v in weights.items()},
-                  str(staging / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(staging / "model.safetensors",
+                         {f"model.{k}": weights.spec(k) for k in weights.names},
+                         lambda key: weights.tensor(key.removeprefix("model."))[0], metadata={"format": "pt"})
         # safetensors creates its file owner-only (0600); give it the mode of the other files
         # (the umask's, as the staging folder has), or a shared export is unreadable to the group
         os.chmod(staging / "model.safetensors", staging.stat().st_mode & 0o666)

@@ -19,8 +19,10 @@ good checkpoint). The returned loss is the mean over the global batch.
 
 Checkpoints (the format and its protocol: megatron_id/checkpoint/): every train.save_interval
 steps and at the end, `<save>/iter_XXXXXXX/` committed atomically behind `<save>/latest`, the last
-train.keep_last kept. SIGTERM and SIGUSR1 (SLURM preemption) finish the current step, save and
-exit. A checkpoint loads at this or any other TP x PP x DP x ZeRO layout (engine_io.load says how).
+train.keep_last kept; also at train.extra_save_steps (0: the starting weights, before the first
+step). SIGTERM and SIGUSR1 (SLURM preemption) finish the current step, save and exit. A save at
+step 0 or with train.save_optimizer=false holds no optimizer state (a weights-only checkpoint). A
+checkpoint loads at this or any other TP x PP x DP x ZeRO layout (engine_io.load says how).
 
 Before DeepSpeed starts, rank 0 checks what reads files (the data: token ids against the
 vocabulary, splits; the train.save / train.load rules of checkpoint/rules.py), takes
@@ -44,12 +46,13 @@ import torch.distributed as dist
 from ..config import Config, ConfigError, DataSource
 from ..checkpoint import engine_io
 from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, remove_stale_staging, rng_state,
-                                set_rng_state, step_of)
+                                set_rng_state, step_of, tag_for)
 from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
 from ..checkpoint.integrity import CheckpointError
 from ..errors import UserError
 from ..data.mqar import MQARDataset, MQARTask, check_mqar_run
-from ..data.gpt_dataset import PretrainingSampler, build_gpt_datasets, check_data, check_valid_set, parse_data_path
+from ..data.gpt_dataset import (PretrainingSampler, build_gpt_datasets, check_batch_token_ids, check_data,
+                                check_valid_set, default_cache_dir)
 from ..parallel import state, vocab_parallel_cross_entropy
 from ..parallel.tensor_parallel import parallel_model
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
@@ -192,9 +195,11 @@ class Trainer:
             if not d.data_path:
                 raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
                                   "(data.data_path=[data/my_corpus_text_document]).")
-            check_data(d.data_path, d.split, m.seq_length, m.vocab_size)   # ids < vocab, dtype, splits
+            # ids < vocab (a scan of data without sidecar remembered in the cache), dtype, splits, checksums
+            cache = self._index_cache()
+            check_data(d.data_path, d.split, m.seq_length, m.vocab_size, cache, d.verify)
             for name, path in d.valid_sets.items():   # held-out sets: present, long enough, ids in the vocabulary
-                check_valid_set(name, path, m.seq_length, m.vocab_size)
+                check_valid_set(name, path, m.seq_length, m.vocab_size, cache, d.verify)
             tokenizer = run_tokenizer(self.cfg)   # the blend, data.tokenizer and model.vocab_size agree
         if not uses_cuda():   # the OOM killer ends a CPU run over the host's memory without a word
             check_host_memory(self.cfg, self.layout, run_estimate_gib(self.cfg, self.layout, on_gpu=False))
@@ -247,13 +252,18 @@ class Trainer:
             self.valid_data = MQARDataset(self.mqar, n_valid, self.cfg.seed, "valid") if n_valid else None
             self.valid_sets = {}
             return MQARDataset(self.mqar, n_train, self.cfg.seed)
-        cache = d.index_cache_dir or str(Path(parse_data_path(d.data_path)[0][1]).parent / "index-cache")
+        cache, patience = self._index_cache(), 60 * self.cfg.train.collective_timeout_minutes
         train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
-                                                       self.cfg.model.seq_length, self.cfg.seed, cache)
+                                                       self.cfg.model.seq_length, self.cfg.seed, cache, patience)
         # each named set read whole (its own "valid" split of 100%), as many samples as the split's
         self.valid_sets = {name: build_gpt_datasets(path, "0,100,0", (0, n_valid, 0), self.cfg.model.seq_length,
-                                                    self.cfg.seed, cache)[1] for name, path in d.valid_sets.items()}
+                                                    self.cfg.seed, cache, patience)[1]
+                           for name, path in d.valid_sets.items()}
         return train
+
+    def _index_cache(self) -> Path:
+        d = self.cfg.data
+        return Path(d.index_cache_dir) if d.index_cache_dir else default_cache_dir(d.data_path)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -359,6 +369,9 @@ class Trainer:
         copied without blocking the host (the caching host allocator keeps the pinned buffer
         until the copy is done), so reading the next batch overlaps this one's compute."""
         host = torch.stack([torch.from_numpy(dataset[i]) for i in indices])
+        if self.mqar is None and (host.max() >= self.cfg.model.vocab_size or host.min() < 0):
+            # a .bin damaged after the checks at start (or one they could not check): stop, naming where
+            check_batch_token_ids(dataset, indices, host.numpy(), self.cfg.model.vocab_size)
         if torch.device(self.device).type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
@@ -435,6 +448,9 @@ class Trainer:
         heartbeat = Heartbeat()
         try:
             end = self.layout.train_iters if max_steps is None else min(self.layout.train_iters, self.step + max_steps)
+            t = self.cfg.train
+            if t.save and self.step == 0 and 0 in t.extra_save_steps and not (Path(t.save) / tag_for(0)).is_dir():
+                self.save_checkpoint(t.save)   # the starting weights (train.extra_save_steps: [0])
             while self.step < end and not self._stop_agreed():
                 heartbeat.beat(self.step)
                 profile.before_step(self.step + 1)
@@ -448,8 +464,8 @@ class Trainer:
                     for name, loss in self.evaluate_all().items():
                         metrics.validation(self.step, loss, name)
                 metrics.end_step(self.step)
-                if self.cfg.train.save and self.step % self.cfg.train.save_interval == 0:
-                    self.save_checkpoint(self.cfg.train.save)
+                if t.save and (self.step % t.save_interval == 0 or self.step in t.extra_save_steps):
+                    self.save_checkpoint(t.save)
             if self.cfg.train.save and self.step != self.saved_step:
                 self.save_checkpoint(self.cfg.train.save)
             self.wait_for_saves()   # an asynchronous save finishes before the run says it is done
@@ -528,7 +544,9 @@ class Trainer:
             tokenizer=str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
             tokenizer_id=self.tokenizer_id,
             evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state(),
-            data=self.data_record(), wandb_run_id=self.wandb_run_id)
+            data=self.data_record(), wandb_run_id=self.wandb_run_id,
+            # no optimizer state: train.save_optimizer=false, or step 0 (Adam has none yet)
+            weights_only=not self.cfg.train.save_optimizer or self.step == 0)
         self.wait_for_saves()   # one save at a time: the previous one is committed first
         if self.cfg.train.async_save:
             started = time.perf_counter()
@@ -540,6 +558,10 @@ class Trainer:
                       f"writing in the background (train.async_save)", file=sys.stderr, flush=True)
         else:
             folder = engine_io.save(self, root, client)
+        if client.weights_only and dist.get_rank() == 0:
+            why = "step 0: no optimizer state yet" if self.step == 0 else "train.save_optimizer=false"
+            print(f"checkpoint {folder.name}: weights only ({why}); it resumes with fresh Adam state"
+                  f"{' (train.load_optimizer=false)' if self.step else ''}", file=sys.stderr, flush=True)
         self.saved_step = self.step
         return folder
 

@@ -65,6 +65,17 @@ def training_layout(cfg: Config, world_size: int) -> Layout:
             "ZeRO-3 does not have. Set train.reshardable_optimizer=false (a ZeRO-3 checkpoint "
             "still loads its weights at any layout with train.load_optimizer=false), or use "
             "train.zero_stage=1 or 2.")
+    if not t.save_optimizer and (t.zero_stage == 3 or t.reshardable_optimizer):
+        raise ConfigError(
+            "train.save_optimizer=false cannot be combined with "
+            + ("train.zero_stage=3: ZeRO-3 keeps the weights themselves in its optimizer files, so a "
+               "checkpoint without them has no weights. Use train.zero_stage=1 or 2 for weights-only "
+               "checkpoints, or keep train.save_optimizer=true (megatron-id export-hf writes the "
+               "weights alone from any checkpoint)."
+               if t.zero_stage == 3 else
+               "train.reshardable_optimizer=true, which saves the optimizer state a second time (optim/). "
+               "Set one of them: train.reshardable_optimizer=false for weights-only checkpoints, or "
+               "train.save_optimizer=true to keep the optimizer state."))
     if t.zero_stage == 3 and t.fused_lm_head_loss:
         raise ConfigError(
             "train.fused_lm_head_loss=true cannot be combined with train.zero_stage=3: ZeRO-3 "

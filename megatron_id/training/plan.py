@@ -15,6 +15,15 @@ replicated; vocabulary padded as parallel/tensor_parallel.py pads it):
                             the contiguous-gradient bucket `torch.empty(reduce_bucket_size)` of 5e8
                             elements (4 bytes each: 2 GB on a GPU; on CPU only the touched pages,
                             min(P, 5e8) elements, are resident)
+- optimizer step  the temporaries of Adam's update, alive at the step's peak on top of all the
+               above (issue 40: a 1-step ZeRO-1 run on one CPU process peaked at 36.9 bytes per
+               parameter at 117M parameters, the terms above giving 28 + 2.9 of activations; at
+               the 350M config 13.99 GiB where they gave 11.44, benchmarks/checkpoint_memory.py
+               prints both): torch's AdamW computes its denominator out of place,
+               sqrt(exp_avg_sq) then / bias correction: on CPU (one tensor at a time) two fp32
+               temporaries of its largest tensor, which under ZeRO-1/2/3 is the rank's whole flat
+               partition: 8 P / DP (ZeRO-0: 8 x the largest parameter); on a GPU (foreach over
+               the group) one fp32 temporary per tensor: 4 P / DP (ZeRO-0: 4 P)
 - activations  per micro-batch b, sequence N, per block (bytes, coefficients below):
                   softmax:           b N (c_d d + c_f f)
                   interdomain / s4d: b N (c_d d + c_f f + c_hm H M + c_chunk d M / T)
@@ -97,6 +106,7 @@ class Estimate:
     comm_tp: int
     comm_pp: int
     comm_total: int
+    optimizer_step: int = 0       # bytes: Adam's temporaries during the step (in total)
 
 
 _SHAPES_CACHE: dict = {}
@@ -214,6 +224,29 @@ def zero_buffer_bytes(zero_stage: int, params: int, dp: int, bucket_elements: in
     return 2 * 4 * math.ceil(params / dp) + 4 * bucket
 
 
+def optimizer_step_bytes(zero_stage: int, params: int, dp: int, largest: int, on_cpu: bool) -> int:
+    """Adam's temporaries during the step (module docstring): on CPU 2 fp32 copies of the
+    largest tensor it updates (the flat partition under ZeRO), on a GPU 1 per tensor."""
+    if on_cpu:
+        return 8 * (math.ceil(params / dp) if zero_stage > 0 else largest)
+    return 4 * (math.ceil(params / dp) if zero_stage > 0 else params)
+
+
+def largest_parameter(cfg: Config, tp: int, pp: int, stage: int) -> int:
+    """Elements of the largest parameter on one rank of `stage` (TP shards divided by TP)."""
+    from ..parallel.layout import stage_layers
+    from ..parallel.tensor_parallel import padded_vocab_size, partition_dim
+    m = cfg.model
+    table = _parameter_table(cfg)
+    vocab_scale = padded_vocab_size(m, tp) / m.vocab_size
+    parts = [f"layers.{i}" for i in stage_layers(m, pp)[stage]]
+    parts += ["embed"] if stage == 0 else []
+    parts += ["norm", "lm_head"] if stage == pp - 1 else []
+    sizes = [int(n * vocab_scale if part in ("embed", "lm_head") else n) // (tp if partition_dim(name, m) is not None else 1)
+             for part in parts for name, n in table[part]]
+    return max(sizes, default=0)
+
+
 def communication(cfg: Config, tp: int, pp: int, dp: int, zero: int, micro_batch: int,
                   grad_accum: int, params: int, checkpointing: bool, bf16: bool) -> tuple[int, int, int]:
     """Bytes one GPU sends per optimizer step for DP, TP and PP (module docstring)."""
@@ -278,6 +311,8 @@ def stage_memory(cfg: Config, layout, zero: int, stage: int, *, checkpointing: b
         gradients=4 * P if zero < 2 else 4 * math.ceil(P / dp),
         optimizer=8 * P if zero == 0 else 8 * math.ceil(P / dp),
         zero_buffers=zero_buffer_bytes(zero, P, dp, bucket_elements, touched_only),
+        optimizer_step=optimizer_step_bytes(zero, P, dp, largest_parameter(cfg, tp, pp, stage) if zero == 0 else 0,
+                                            on_cpu=touched_only),
         activations=stage_activation_bytes(cfg, stage, pp, tp, layout.micro_batch_size,
                                            layout.gradient_accumulation, checkpointing,
                                            cfg.train.precision.value == "bf16"),
@@ -303,7 +338,8 @@ def estimate(cfg: Config, layout, zero: int, gpu_memory: float, *, checkpointing
                     checkpointing, cfg.model.mixer.value, m["parameters"],
                     *(int(m[k]) for k in ("weights", "gradients", "optimizer", "zero_buffers",
                                           "activations", "overhead", "total")),
-                    m["total"] <= gpu_memory * (1 - margin), dp_b, tp_b, pp_b, dp_b + tp_b + pp_b)
+                    m["total"] <= gpu_memory * (1 - margin), dp_b, tp_b, pp_b, dp_b + tp_b + pp_b,
+                    optimizer_step=int(m["optimizer_step"]))
 
 
 def run_estimate_gib(cfg: Config, layout, on_gpu: bool) -> float:
