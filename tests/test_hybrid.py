@@ -61,8 +61,11 @@ def test_the_pattern_decides_the_mixer():
 # Recorded by the code of commit 1ba514c (before hybrids), configs/model/125m.yaml, seed 42: three
 # checksums of every initial tensor (state-dict order, flattened to float64 w: sum w, sum w^2,
 # sum w_i sin(i)) and the losses of three AdamW steps (lr 1e-3) on two 64-token rows of seed-0
-# tokens. Compared within 1e-6 relative (float32 rounding may differ on another CPU's kernels);
-# on this machine the new code gives them bit for bit.
+# tokens. Compared within 1e-6 relative (float32 rounding may differ on another CPU's kernels),
+# the losses after the first step within 1e-5: Adam's update divides by sqrt(v), so a gradient
+# element rounded differently near zero moves its weight by up to the learning rate. Recorded on
+# an AVX2 machine; on an AVX512 one (2026-12-05, the code before and after issue 40 alike) the
+# checksums and the first loss agree to 1e-15, the second and third losses to 3.0e-6 and 6.5e-6.
 BEFORE_HYBRIDS = {
     "interdomain": ([410145.7571165282, 281529423.7846972, -99.17499838245976],
                     [10.445507049560547, 6.776823997497559, 0.6190563440322876]),
@@ -103,8 +106,9 @@ def test_a_model_without_a_pattern_is_the_one_built_before_hybrids(mixer):
     same again with the uniform pattern written out."""
     weights, sums, losses = _fingerprint(load_config([CONFIGS / "model" / "125m.yaml"], [f"model.mixer={mixer}"]).model)
     want_sums, want_losses = BEFORE_HYBRIDS[mixer]
-    for got, want in zip(sums + losses, want_sums + want_losses):
-        assert abs(got - want) <= 1e-6 * abs(want), (mixer, sums, losses)
+    for i, (got, want) in enumerate(zip(sums + losses, want_sums + want_losses)):
+        tolerance = 1e-5 if i > len(sums) else 1e-6   # (the comment above BEFORE_HYBRIDS says why)
+        assert abs(got - want) <= tolerance * abs(want), (mixer, sums, losses)
     letter = {"interdomain": "I", "softmax": "A"}[mixer]
     spelled = _fingerprint(load_config([CONFIGS / "model" / "125m.yaml"], [f"model.layer_pattern={letter * 12}"]).model)
     assert list(spelled[0]) == list(weights) and all(torch.equal(spelled[0][k], weights[k]) for k in weights)
