@@ -23,7 +23,7 @@ from megatron_id.data.indexed_dataset import (IndexedDataset, IndexedDatasetErro
 from megatron_id.data.tokenizer import MISMATCH_FLAG, check_same_tokenizer
 from megatron_id.errors import OutputExistsError, UserError, run_guarded
 
-from .outputs import check_outputs, make_folder, remove_folders, report_stale
+from .outputs import check_outputs, check_prefix, make_folder, remove_folders, report_stale
 
 
 def _common(values):
@@ -70,6 +70,7 @@ def merge_datasets(inputs, output, overwrite: bool = False, warn=None,
     """Write the concatenation of the datasets `inputs` to `output` (a prefix); returns the
     number of documents. `warn(message)` receives warnings (default: stderr)."""
     warn = warn or (lambda message: print(f"merge: warning: {message}", file=sys.stderr))
+    check_prefix(output, "output prefix", "merged", "{}.bin/.idx")
     datasets = [IndexedDataset(p) for p in inputs]   # a missing or broken input fails here
     for i, d in enumerate(datasets):
         for j in range(i):

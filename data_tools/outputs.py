@@ -29,6 +29,26 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
+def check_prefix(given, flag: str, name: str, written: str) -> None:
+    """An output prefix is a path and the start of file names (Megatron's --output-prefix), never
+    a folder: `dir/` once wrote `dir/_text_document.bin` (preprocess) and a hidden `dir/.bin`
+    (merge). Refused before any work, with the prefix the user most likely meant: `dir/<name>`,
+    which writes `written` (with `{}` standing for that prefix)."""
+    text = str(given)
+    last = text.replace(os.sep, "/").rstrip("/").rsplit("/", 1)[-1] if text.rstrip("/") else ""
+    if text.endswith(("/", os.sep)) or last in ("", ".", ".."):
+        folder = text if text.endswith(("/", os.sep)) else (text + "/" if text else "")
+        meant = f"{folder}{name}"
+        what = "is empty" if not text else "names a folder, not a prefix"
+        raise OutputError(f"{flag} {text!r} {what}: the prefix is a path plus the start of "
+                          f"the output files' names (as in Megatron), e.g. {flag} {meant} writes "
+                          f"{written.format(meant)}.")
+    if text.endswith((".bin", ".idx")):   # (merged.bin once wrote merged.bin.bin)
+        meant = text[:-4]
+        raise OutputError(f"{flag} {text!r} ends in {text[-4:]}: the prefix has no extension; e.g. {flag} {meant} "
+                          f"writes {written.format(meant)}.")
+
+
 def check_outputs(targets, flag: str, given, overwrite: bool) -> None:
     """Refuse, before any work, outputs that cannot be written or would replace existing files.
     `targets`: the final files that count as existing output; `flag`/`given`: how the user

@@ -61,7 +61,7 @@ from megatron_id.errors import UserError, run_guarded
 from .compat import add_compat_flags, check_compat_flags
 from .encoders import (PROBE_TEXT, TOKENIZER_TYPES, NullEncoder, TiktokenEncoder, TokenizersEncoder,
                        resolve_tokenizer, tiktoken_unavailable)
-from .outputs import check_outputs, make_folder, remove_folders, report_stale
+from .outputs import check_outputs, check_prefix, make_folder, remove_folders, report_stale
 from .pieces import PIECE_CHARS, PieceCutter
 from .progress import Progress
 from .readers import InputError, Record, expand_inputs, iter_documents
@@ -511,6 +511,7 @@ def split_neox_inputs(patterns) -> list[str]:
 
 
 def run(args) -> Stats:
+    check_prefix(args.output_prefix, "--output-prefix", "fineweb", "{}_" + args.json_keys[0] + "_document.bin/.idx")
     if args.workers < 1:
         raise PreprocessError(f"--workers {args.workers}: must be at least 1.")
     if args.partitions < 1:

@@ -5,9 +5,11 @@
     torchrun --nproc-per-node N launch/gpu_check.py losses --out F.json [key=value ...]
     python launch/gpu_check.py compare REFERENCE.json OTHER.json [...] [--rtol 1e-4]
 
-Each prints its figures and exits 0 (PASS) or 1 (FAIL). --dry-run: the same checks on the CPU
-(the kernels under TRITON_INTERPRET=1, small shapes; the static decode step instead of the
-graph), which is how CI tests this script on machines without a GPU.
+Each prints its figures and exits 0 (PASS) or 1 (FAIL); a step that cannot run here (a GPU step
+on a machine without CUDA, an --out that cannot be written) says so in one line, exit 2.
+--dry-run: the same checks on the CPU (the kernels under TRITON_INTERPRET=1, small shapes; the
+static decode step instead of the graph), which is how CI tests this script on machines without
+a GPU.
 """
 from __future__ import annotations
 
@@ -205,10 +207,20 @@ def cmd_compare(args) -> int:
     if missing:
         print(f"gpu_check compare: no losses file {', '.join(missing)} (did its losses step fail?)", file=sys.stderr)
         return 1
-    reference = json.loads(Path(args.reference).read_text())
+    def read(path):
+        try:
+            losses = json.loads(Path(path).read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            losses = e
+        if not (isinstance(losses, list) and losses and all(isinstance(x, (int, float)) for x in losses)):
+            raise SystemExit(f"gpu_check compare: {path} is not a losses file (a JSON list of numbers, as "
+                             f"gpu_check.py losses --out writes)")
+        return losses
+
+    reference = read(args.reference)
     failed = False
     for other in args.others:
-        losses = json.loads(Path(other).read_text())
+        losses = read(other)
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
         ok = len(losses) == len(reference) and worst <= args.rtol and reference[0] != reference[-1]
         failed |= not ok
@@ -218,7 +230,8 @@ def cmd_compare(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="step", required=True)
     for name in ("kernel", "decode", "attention"):
         s = sub.add_parser(name)
@@ -234,8 +247,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def refusal(args) -> str | None:
+    """A step that cannot run here, in one line (before any work): the GPU steps without a CUDA
+    device (torch would fail deep inside with "Torch not compiled with CUDA enabled"), the kernel
+    step without triton, an --out that cannot be written, a losses file that is not one."""
+    if args.step in ("kernel", "decode", "attention") and not args.dry_run:
+        import torch
+        if not torch.cuda.is_available():
+            built = f"torch {torch.__version__} " + ("has no CUDA device visible" if torch.version.cuda
+                                                     else "is a CPU build")
+            return (f"gpu_check {args.step}: needs a CUDA GPU and {built}: run it on the GPU machine "
+                    f"(bash launch/gpu_check.sh), or add --dry-run for the same check on the CPU.")
+    if args.step == "kernel" and not args.dry_run:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "gpu_check kernel: triton is not installed: pip install -e '.[triton]' (a CUDA torch usually brings it)."
+    if args.step == "losses":
+        out = Path(args.out)
+        if out.is_dir() or not out.parent.is_dir():
+            return (f"gpu_check losses: --out {args.out}: give a file in an existing folder "
+                    f"({'it is a folder' if out.is_dir() else f'{out.parent} does not exist'}).")
+        if args.steps < 1:
+            return f"gpu_check losses: --steps {args.steps}: at least 1."
+    return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    why = refusal(args)
+    if why:
+        if os.environ.get("RANK", "0") == "0":   # under torchrun (losses): one line, not one per rank
+            print(why, file=sys.stderr)
+        return 2
     return {"kernel": cmd_kernel, "decode": cmd_decode, "attention": cmd_attention, "losses": cmd_losses,
             "compare": cmd_compare}[args.step](args)
 

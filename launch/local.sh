@@ -14,9 +14,10 @@
 # Environment: NPROC (processes; default: the number of visible GPUs, or 2 on CPU),
 # MEGATRON_ID_DEVICE (gpu: default when a GPU is visible; cpu), MEGATRON_ID_PYTHON (python3),
 # MEGATRON_ID_RUN_DIR; OMP_NUM_THREADS and NCCL_* as exported.
-# To stop with a checkpoint, send SIGTERM or SIGUSR1 to the training processes
-# (`pkill -USR1 -f "megatron_id.cli train"`): each finishes its step, saves and exits with
-# status 3 (stopped early: not a finished run; the SLURM script's ranks exit 0 instead).
+# To stop with a checkpoint, send SIGTERM or SIGUSR1 to this script (or to the training
+# processes, `pkill -USR1 -f "megatron_id.cli train"`): each rank finishes its step, saves and
+# exits with status 3, and so does this script (stopped early: not a finished run; the SLURM
+# script's ranks exit 0 instead). Ctrl-C stops at once without a save (exit 130).
 set -uo pipefail
 
 PYTHON="${MEGATRON_ID_PYTHON:-python3}"
@@ -44,6 +45,9 @@ case "$DEVICE" in
 esac
 export MEGATRON_ID_DEVICE="$DEVICE"   # (job-prepare: the memory estimate of this device)
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "NPROC=$NPROC: give a positive number of processes"
+for arg in "$@"; do   # the arguments are train's, less the process count, which is this script's
+    [[ "$arg" == --nproc || "$arg" == --nproc=* ]] && die "$arg: the number of processes is NPROC here (NPROC=2 bash launch/local.sh ...)"
+done
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1
 
 created_run_dir=0
@@ -77,11 +81,24 @@ if [[ "${job[step]}" -ge "${job[train_iters]}" ]]; then
     exit 0
 fi
 
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    -m megatron_id.cli train "$@" "${extra[@]}" 2>&1 | tee -a "$LOGS/$ID.out"
-status=${PIPESTATUS[0]}
+# megatron-id starts the ranks itself (--nproc): one line for a refusal and the ranks' own exit
+# status, where torchrun adds its ChildFailedError report and exits 1. SIGTERM / SIGUSR1 / SIGINT
+# to this script go to it, and it to every rank (they save and stop: exit 3; SIGINT: 130).
+"$PYTHON" -m megatron_id.cli train --nproc "$NPROC" "$@" "${extra[@]}" > >(tee -i -a "$LOGS/$ID.out") 2>&1 &
+train=$!
+for sig in TERM USR1 INT; do
+    # shellcheck disable=SC2064  # (the signal's name now; the pid at the signal)
+    trap "kill -$sig \"\$train\" 2>/dev/null" "$sig"
+done
+while kill -0 "$train" 2>/dev/null; do wait "$train"; done   # a trapped signal ends a wait early
+wait "$train"
+status=$?
+trap - TERM USR1 INT
+wait   # tee: the log is complete before the last lines
 if [[ $status -eq 3 ]]; then   # stopped by a signal after saving (megatron-id train's STOPPED_EXIT_STATUS)
     say "stopped early (exit 3) with a checkpoint; to resume, run the same command with MEGATRON_ID_RUN_DIR=$RUN_DIR" | tee -a "$LOGS/$ID.out" >&2
+elif [[ $status -eq 130 ]]; then   # Ctrl-C: stopped at once, without a save (the line above says where)
+    say "interrupted (exit 130); the log is $LOGS/$ID.out" | tee -a "$LOGS/$ID.out" >&2
 elif [[ $status -ne 0 ]]; then
     say "training failed (exit $status); the log is $LOGS/$ID.out" | tee -a "$LOGS/$ID.out" >&2
 fi

@@ -39,10 +39,20 @@ cd "$ROOT"
 
 # --- 1. install what is missing --------------------------------------------------------------
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    # On a CPU-only machine, point TORCH_SPEC at a CPU build (e.g. torch==2.13.0 where a local
-    # wheel exists) so pip does not pull the multi-GB CUDA one.
-    echo "[quickstart] installing ${TORCH_SPEC:-torch>=2.3,<3}"
-    "$PYTHON" -m pip install "${TORCH_SPEC:-torch>=2.3,<3}"
+    # TORCH_SPEC chooses the build. Otherwise: with a GPU (nvidia-smi answers) the CUDA build
+    # from PyPI; without one the CPU build, the version the README's Install section pins:
+    # PyPI's Linux torch is the CUDA build (6 GB with its nvidia-* wheels), so PyTorch's CPU
+    # index is added, and pip takes its 2.13.0+cpu (a local wheel where pip finds one).
+    if [[ -n "${TORCH_SPEC:-}" ]]; then
+        torch_install=("$TORCH_SPEC")
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        torch_install=("torch>=2.3,<3")
+    else
+        torch_install=("torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu)
+        echo "[quickstart] no GPU (nvidia-smi): installing the CPU build of torch; set TORCH_SPEC to choose another"
+    fi
+    echo "[quickstart] pip install ${torch_install[*]}"
+    "$PYTHON" -m pip install "${torch_install[@]}"
 fi
 if ! "$PYTHON" -c "import megatron_id, deepspeed, tokenizers, omegaconf, safetensors, tensorboard, zstandard" 2>/dev/null; then
     echo "[quickstart] installing megatron_id and its dependencies (pip install -e .)"
@@ -50,10 +60,8 @@ if ! "$PYTHON" -c "import megatron_id, deepspeed, tokenizers, omegaconf, safeten
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# glibc returns large freed blocks to the OS at once; the logits of a 50K vocabulary are such
-# blocks, and the page faults of re-mapping them cost ~40% of a CPU step. Keep them instead.
-export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-4294967296}"
-export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-68719476736}"
+# (glibc's malloc settings, worth ~1.5x on a CPU step, are megatron-id train's own:
+# megatron_id/allocator.py; the by-hand commands of the README get them too)
 
 mkdir -p "$OUT"
 echo "[quickstart] output folder: $OUT"
@@ -65,15 +73,22 @@ echo "[quickstart] output folder: $OUT"
     --output-prefix "$OUT/data/fineweb-edu" --append-eod --workers 2 --no-progress
 
 # --- 3 and 4. train on 2 processes, validate, checkpoint ---------------------------------------
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    -m megatron_id.cli train \
+set +e   # (its status is read below: a failure says where the log is)
+"$PYTHON" -m megatron_id.cli train --nproc "$NPROC" \
     --config configs/model/tiny.yaml --config configs/train/quickstart.yaml \
     "data.data_path=[$OUT/data/fineweb-edu_text_document]" \
     "train.save=$OUT/checkpoints" "train.tensorboard_dir=$OUT/tensorboard" \
-    "$@" 2>&1 | grep --line-buffered -v -e "\[WARNING\]" -e "\[INFO\]" | tee "$OUT/train.log"
+    "$@" 2>&1 | (trap '' INT; exec grep --line-buffered -v -e "\[WARNING\]" -e "\[INFO\]") \
+    | tee -i "$OUT/train.log"   # (the filters outlive a Ctrl-C, so the last line is shown)
 status=${PIPESTATUS[0]}
+set -e
 if [[ $status -ne 0 ]]; then
-    echo "[quickstart] training failed (exit $status); the log is $OUT/train.log" >&2
+    case $status in
+        3) what="stopped by a signal after saving" ;;
+        130) what="interrupted (Ctrl-C)" ;;
+        *) what="failed" ;;
+    esac
+    echo "[quickstart] training $what (exit $status); the log is $OUT/train.log" >&2
     exit "$status"
 fi
 

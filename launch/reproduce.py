@@ -281,6 +281,32 @@ def report_paths(args) -> tuple[Path, Path]:
     return args.report or docs / "replication.md", args.report or docs / "replication-cube.md"
 
 
+def check_out(args) -> None:
+    """--out is a working folder this script created (state.json or logs/ in it: a run to
+    continue), an empty one or a new one; a file, or a folder of other things, is refused
+    before any work (it would write tokenizer.json, data/, runs/ ... among them). --report is
+    a file whose folder exists (it is written hours later)."""
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"reproduce: error: --out {out} is a file: give a folder (new, empty, or an earlier "
+                         f"run's to continue it).")
+    if out.is_dir() and any(out.iterdir()) and not ((out / "state.json").is_file() or (out / "logs").is_dir()):
+        raise SystemExit(f"reproduce: error: --out {out} holds other files and no run of this script (no state.json "
+                         f"or logs/): give a new or empty folder, or an earlier run's to continue it.")
+    for parent in out.parents:   # the first existing folder above a new --out must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise SystemExit(f"reproduce: error: --out {out}: {parent} is a file, not a folder.")
+            break
+    if args.report is not None:
+        if args.report.is_dir():
+            raise SystemExit(f"reproduce: error: --report {args.report} is a folder: give a file name "
+                             f"(e.g. {args.report / 'replication.md'}).")
+        if not args.report.parent.is_dir():
+            raise SystemExit(f"reproduce: error: --report {args.report}: the folder {args.report.parent} does "
+                             f"not exist.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python launch/reproduce.py", description=__doc__.splitlines()[0],
                                 allow_abbrev=False)
@@ -350,7 +376,12 @@ def main(argv=None) -> int:
         if not cells:
             raise SystemExit(f"reproduce: error: --cells {' '.join(args.cells)} matches no cell of --study "
                              f"{' '.join(args.study)} (cells are named like length/softmax-seed1).")
-    args.out.mkdir(parents=True, exist_ok=True)
+    check_out(args)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"reproduce: error: --out {args.out}: cannot create the folder ({e.strerror}): "
+                         f"give a folder you can write to.") from None
     run = Run(args)
     settings = {"tokens": args.tokens, "smoke": args.smoke, "long_tokens": args.long_tokens,
                 "batch_tokens": args.batch_tokens,

@@ -2,7 +2,7 @@
 
     megatron-id params --config configs/model/125m.yaml [key=value ...]
     megatron-id preprocess --input ... --tokenizer ... --output-prefix ...   (= python -m data_tools.preprocess)
-    torchrun --nproc-per-node N -m megatron_id.cli train --config run.yaml [key=value ...]
+    megatron-id train --nproc N --config run.yaml [key=value ...]          (or under torchrun / srun, without --nproc)
     megatron-id export-hf --checkpoint runs/x/checkpoints --output runs/x/hf
     megatron-id import-hf --input runs/x/hf --output runs/y/checkpoints --tensor-parallel 2
     megatron-id generate --checkpoint runs/x/hf --prompt "The water cycle" --max-new-tokens 50
@@ -84,10 +84,33 @@ def cmd_train(args) -> int:
     early_stop = []
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: early_stop.append(signum))
+    from .allocator import keep_freed_memory
+    keep_freed_memory()   # glibc keeps freed blocks: ~1.5x on CPU steps (allocator.py)
+    if args.nproc is not None:
+        from .training.launcher import check_nproc
+        check_nproc(args.nproc)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     import warnings
     # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+    if args.nproc is not None:   # start the ranks of this machine (training/launcher.py)
+        import contextlib
+        import io
+        from .training.launcher import check_devices, check_host, launch
+        from .training.layout import training_layout
+        check_devices(args.nproc)
+        said = io.StringIO()   # its warnings: rank 0 says them, or this process before its error
+        try:
+            with contextlib.redirect_stderr(said):
+                cfg = load_config(args.config, args.overrides)   # errors: once, before any rank starts
+                layout = training_layout(cfg, args.nproc)   # as is a layout the ranks cannot hold
+                check_host(cfg, layout, args.nproc)   # and, on CPU, more memory than the host has
+        except BaseException:
+            sys.stderr.write(said.getvalue())
+            raise
+        debug = "--debug" in sys.argv[1:]
+        return launch(args.nproc, [*(a for c in args.config for a in ("--config", c)), *args.overrides], debug,
+                      early=early_stop)
     cfg = load_config(args.config, args.overrides)   # config errors first, before heavy imports
     from .training.distributed import init_distributed_from_env
     from .training.engine import Trainer
@@ -99,7 +122,7 @@ def cmd_train(args) -> int:
     trainer, status = None, 0
     t = cfg.train
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, skip_finished=True)   # a finished run is not built again
         trainer.stop_requested = early_stop[0] if early_stop else False
         trainer.train()
         iters = trainer.layout.train_iters
@@ -115,7 +138,7 @@ def cmd_train(args) -> int:
                              f"train.load={t.save}")
                 print(f"stopped at step {trainer.step:,} of {iters:,} ({name}): {saved} (exit {status})",
                       file=sys.stderr, flush=True)
-        elif dist.get_rank() == 0:
+        elif dist.get_rank() == 0 and trainer.finished_at is None:   # (else "already finished at ...")
             print(f"finished at step {trainer.step}; checkpoint: {t.save or 'not saved (train.save unset)'}; "
                   f"TensorBoard: {t.tensorboard_dir or 'off (train.tensorboard_dir unset)'}",
                   file=sys.stderr, flush=True)
@@ -147,6 +170,8 @@ def cmd_check_checkpoint(args) -> int:
     from .checkpoint.files import CLIENT_STATE, STAGING, latest_folder
     from .checkpoint.integrity import MANIFEST, CheckpointError, verify_checkpoint
     root = Path(args.path)
+    if not root.exists():
+        raise CheckpointError(f"{root} does not exist: give a train.save folder or an iter_XXXXXXX folder.")
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a folder: give a train.save folder or an iter_XXXXXXX folder.")
     if (root / MANIFEST).is_file() or (root / CLIENT_STATE).is_file():
@@ -155,6 +180,9 @@ def cmd_check_checkpoint(args) -> int:
         folders = sorted(p for p in root.glob("iter_*") if p.is_dir())
     else:
         folders = [f for f in [latest_folder(root)] if f is not None]
+    if not folders and (root / "config.json").is_file():
+        raise CheckpointError(f"{root} is an export without {MANIFEST} (written before exports carried one): its "
+                              f"files cannot be verified. Export the checkpoint again to get one.")
     if not folders:
         raise CheckpointError(f"{root} holds no checkpoint (no `latest`, no iter_ folder): give a train.save "
                               f"folder or an iter_XXXXXXX folder.")
@@ -170,6 +198,9 @@ def cmd_check_checkpoint(args) -> int:
                 print(f"DAMAGED {folder}: {problem}", file=sys.stderr)
         else:
             print(f"ok {folder}")
+    if damaged and (root / "config.json").is_file():   # an export (it carries the same manifest)
+        raise CheckpointError(f"the export {root} is damaged (listed above): export the checkpoint again with "
+                              f"megatron-id export-hf.")
     if damaged:
         raise CheckpointError(f"{damaged} of {len(folders)} checkpoint folders in {root} are damaged "
                               f"(listed above): resume from a whole one by writing its name into {root}/latest.")
@@ -193,7 +224,8 @@ def cmd_export_hf(args) -> int:
 def cmd_import_hf(args) -> int:
     from .hf.export import import_hf
     out = import_hf(args.input, args.output, args.tensor_parallel, args.pipeline_parallel,
-                    overwrite=args.overwrite, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
+                    overwrite=args.overwrite, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
+                    verify=args.verify)
     print(f"imported {args.input} -> {out} (TP={args.tensor_parallel}, PP={args.pipeline_parallel}; "
           f"weights only: train with train.load={out})")
     return 0
@@ -222,7 +254,7 @@ def cmd_generate(args) -> int:
         raise BadOptionError("--output-file goes with --input-file (one completion per prompt); a single "
                              "--prompt streams to the terminal.")
     model, tokenizer, eos = load_model_and_tokenizer(args.checkpoint, args.tokenizer,
-                                                     args.allow_tokenizer_mismatch)
+                                                     args.allow_tokenizer_mismatch, args.verify)
     from .generation import static_decode_refusal
     from .inference.fused_decode import fused_decode_refusal
     why = static_decode_refusal(model.cfg) if args.cuda_graph else None
@@ -239,6 +271,11 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise BadOptionError(f"--prompt {args.prompt!r} gives no tokens: give a prompt with some text.")
     decode = "graph" if args.cuda_graph else ("eager" if args.decode == "eager" or unfused else "fused")
+    if decode == "fused":   # a hybrid's KV cache is allocated whole: refused before the prompt is echoed
+        from .inference.fused_decode import check_kv_pool
+        check_kv_pool(model, 1, len(prompt) + max(args.max_new_tokens, 1), device,
+                      f"--max-new-tokens {args.max_new_tokens:,} after a prompt of {len(prompt):,} tokens",
+                      "Ask for fewer --max-new-tokens")
     if decode == "fused" and next(model.parameters()).device.type == "cpu":
         from .inference.cpu_kernel import fixed_state_step_kernel
         fixed_state_step_kernel()   # built (once) before the prompt is echoed, so its message comes first
@@ -256,10 +293,25 @@ def read_prompts(path: str) -> list[str]:
     Blank lines are skipped, counted and reported; anything else that is not a prompt is refused."""
     from .errors import BadOptionError
     file = Path(path)
+    if file.is_dir():
+        raise BadOptionError(f"--input-file {path} is a folder: give a file of prompts, one per line (.jsonl: a "
+                             f"{{\"prompt\": ...}} object per line).")
     if not file.is_file():
         raise BadOptionError(f"--input-file {path}: no such file.")
     prompts, blank = [], 0
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    data = file.read_bytes()
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise BadOptionError(f"--input-file {path} is UTF-16 text (it starts with a byte-order mark), not UTF-8: "
+                             f"save it as UTF-8, e.g. iconv -f utf-16 -t utf-8 {path} > prompts.txt.")
+    try:
+        text = data.decode("utf-8-sig")   # a UTF-8 byte-order mark is not part of the first prompt
+    except UnicodeDecodeError as err:
+        start = err.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)
+        line = data.count(b"\n", 0, start) + 1
+        raise BadOptionError(f"--input-file {path}, line {line} (byte {start:,}): not UTF-8 text (byte "
+                             f"0x{data[start]:02x}): save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 "
+                             f"{path} > prompts.txt.") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             blank += 1
             continue
@@ -289,6 +341,8 @@ def check_output_file(path: str | None) -> None:
         raise OutputExistsError(f"--output-file {path} exists: give a new file (it is never replaced).")
     if not out.parent.is_dir():
         raise BadOptionError(f"--output-file {path}: the folder {out.parent} does not exist.")
+    from .errors import check_writable   # before the model is loaded and every prompt generated
+    check_writable(out.parent, f"--output-file {path}: its folder")
 
 
 def generate_file(args, model, tokenizer, eos_id, prompts_text: list[str], unfused: str | None) -> int:
@@ -319,6 +373,11 @@ def generate_file(args, model, tokenizer, eos_id, prompts_text: list[str], unfus
                 generator=torch.Generator(device=device).manual_seed(args.seed + i))))
             progress(i, completions[-1])
     else:
+        from .inference.fused_decode import check_kv_pool
+        check_kv_pool(model, min(args.batch_size, len(prompts)), max(map(len, prompts)) + args.max_new_tokens,
+                      next(model.parameters()).device, f"--max-new-tokens {args.max_new_tokens:,} after prompts of up "
+                      f"to {max(map(len, prompts)):,} tokens x --batch-size {min(args.batch_size, len(prompts))}",
+                      "Ask for fewer --max-new-tokens or a smaller --batch-size")
         completions = generate_batch(model, prompts, args.max_new_tokens, slots=args.batch_size, eos_id=eos_id,
                                      temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                                      prefill_chunk_size=args.prefill_chunk_size, on_finish=progress)
@@ -332,8 +391,15 @@ def generate_file(args, model, tokenizer, eos_id, prompts_text: list[str], unfus
         sys.stdout.write(body)
         return 0
     tmp = Path(f"{args.output_file}.tmp-{os.getpid()}")
-    tmp.write_text(body, encoding="utf-8")
-    os.replace(tmp, args.output_file)
+    try:
+        tmp.write_text(body, encoding="utf-8")
+        os.replace(tmp, args.output_file)
+    except OSError as err:   # (a disk that filled while generating): the completions are not lost
+        tmp.unlink(missing_ok=True)
+        sys.stdout.write(body)
+        sys.stdout.flush()
+        raise OSError(err.errno, f"--output-file {args.output_file} could not be written ({err.strerror or err}): "
+                                 f"the {len(lines)} completions were written to stdout instead") from None
     print(f"wrote {len(lines)} completions to {args.output_file}", file=sys.stderr)
     return 0
 
@@ -370,6 +436,12 @@ def cmd_plan(args) -> int:
         raise ConfigError(f"--margin {args.margin}: must be in [0, 1) (a fraction of --gpu-memory kept free).")
     gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
     overhead = parse_size(args.overhead, "--overhead", allow_zero=True)
+    usable = (1 - args.margin) * gpu_memory
+    if overhead >= usable:   # (once "no layout fits: use more GPUs ...", which no number of GPUs cures)
+        raise ConfigError(f"--overhead {args.overhead} is not less than the {usable / GiB:.3g} GiB a layout may use "
+                          f"of --gpu-memory {args.gpu_memory} ({1 - args.margin:.0%}, --margin {args.margin:g}): "
+                          f"no layout could fit; check --gpu-memory (one GPU's), lower --overhead (default 2GiB) or --margin "
+                          f"(default 0.1).")
     overrides = list(args.overrides)
     if args.seq_length is not None:
         overrides.append(f"model.seq_length={args.seq_length}")
@@ -427,7 +499,7 @@ def cmd_job_prepare(args) -> int:
     _add_config_args(parsed)
     parsed = _parse_with_overrides_anywhere(parsed, train_args)
     values = prepare(args.run_dir, parsed.config, parsed.overrides, world_size=args.world_size,
-                     job_id=args.job_id, attempt=args.attempt)
+                     job_id=args.job_id, attempt=args.attempt, check_run=True)   # train's own checks too
     sys.stdout.write(shell_lines(values))
     return 0
 
@@ -440,6 +512,12 @@ def cmd_convert_checkpoint(args) -> int:
     print(f"{folder}: the checkpoint of {args.input} with its optimizer state per parameter in "
           f"{folder / FOLDER}; train from it at any layout with train.load={args.output}")
     return 0
+
+
+def _add_verify_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify", choices=["sample", "full"], default="sample",
+                   help="an export's files against its manifest.json before use: sample (default: every size, small "
+                        "files whole, 16 chunks of 4 MiB of each large one) or full (every byte)")
 
 
 def _cuda() -> bool:
@@ -461,9 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("preprocess", help="tokenize a corpus into .bin/.idx (see --help of it)")
     sub.add_parser("kernel-resources", help="compile the Triton core for sm_80 / sm_90 here and report shared "
                                             "memory, registers, spills, tensor cores (see --help of it)")
-    t = sub.add_parser("train", help="train with DeepSpeed (launch with torchrun / srun / deepspeed)",
-                       allow_abbrev=False)
+    t = sub.add_parser("train", help="train with DeepSpeed (--nproc N starts N ranks here; or torchrun / srun / "
+                                     "deepspeed)", allow_abbrev=False)
     _add_config_args(t)
+    t.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="start N ranks on this machine (one per GPU; CPU processes on CPU) with one-line errors "
+                        "and the ranks' exit status; leave out under torchrun / srun")
     t.set_defaults(func=cmd_train)
     c = sub.add_parser("check-checkpoint", help="verify checkpoint files against their manifest (sizes, sha256)",
                        allow_abbrev=False)
@@ -491,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tensor-parallel", type=int, default=1)
     i.add_argument("--pipeline-parallel", type=int, default=1)
     i.add_argument("--allow-tokenizer-mismatch", action="store_true", help=MISMATCH_HELP)
+    _add_verify_arg(i)
     i.set_defaults(func=cmd_import_hf)
     g = sub.add_parser("generate", help="stream text from a training checkpoint or an exported folder",
                        allow_abbrev=False)
@@ -516,6 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--cuda-graph", action="store_true",
                    help="replay each decode step as a CUDA graph (interdomain / S4D models on CUDA)")
+    _add_verify_arg(g)
     g.set_defaults(func=cmd_generate)
     sv = sub.add_parser("serve", allow_abbrev=False,
                         help="an OpenAI-compatible completions server (continuous batching over state slots)")
@@ -536,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tokenizer", help="tokenizer.json (default: the one the checkpoint or export records)")
     sv.add_argument("--allow-tokenizer-mismatch", action="store_true", help=MISMATCH_HELP)
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    _add_verify_arg(sv)
     sv.set_defaults(func=cmd_serve)
     cc = sub.add_parser("convert-checkpoint", allow_abbrev=False,
                         help="copy a ZeRO-0/1/2 checkpoint with its optimizer state made loadable at any layout")

@@ -11,6 +11,7 @@ where it came from and how to fix it. Switches left at None are resolved per mix
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -20,7 +21,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .data.gpt_dataset import Verify   # numpy-only: the data checks' modes
@@ -171,9 +172,10 @@ class OptimizerConfig:
     min_lr: float = 1e-5              # where the decay ends
     warmup_tokens: int = 375_000_000  # linear warmup from 0, in tokens
     schedule: Schedule = Schedule.cosine   # the learning rate after warmup
-    # wsd: the decay takes the last decay_fraction of train.train_tokens, shaped linear, cosine or
-    # 1-sqrt [our choice: 0.2 and 1-sqrt, the cooldown Hagele et al. 2024 found to match cosine;
-    # Megatron-LM's --lr-wsd-decay-style has no default to follow]
+    # wsd: the decay takes the last decay_fraction of the run's steps (rounded, at least one; the
+    # last step at min_lr), shaped linear, cosine or 1-sqrt [our choice: 0.2 and 1-sqrt, the
+    # cooldown Hagele et al. 2024 found to match cosine; Megatron-LM's --lr-wsd-decay-style has no
+    # default to follow]. Other schedules ignore it (a warning says so when it is set)
     decay_fraction: float = 0.2
     decay_shape: str = "1-sqrt"        # wsd: the decay's shape
     weight_decay: float = 0.1         # AdamW's decoupled decay of matrices and embeddings
@@ -273,7 +275,8 @@ class TrainConfig:
     check_host_memory: bool = True
     deepspeed: dict = field(default_factory=dict)   # raw DeepSpeed config overrides
     # one JSON line per step with every scalar TensorBoard gets (train/*, valid/*), for scripts and
-    # plots without a service; rank 0; a resumed run drops the lines after its checkpoint's step
+    # plots without a service; rank 0. Appended to; only a resume of the run that wrote it drops
+    # that run's lines after its checkpoint's step (training/metrics.py)
     metrics_file: Optional[str] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -330,25 +333,138 @@ def _suggest(key: str, node) -> str:
     return f"{hint} Valid keys here: {', '.join(valid)}." if valid else hint
 
 
-def _describe_error(err: OmegaConfBaseException, source: str, schema) -> ConfigError:
-    key = getattr(err, "full_key", None) or "?"
+def _describe_error(err: OmegaConfBaseException, source: str, schema, other=None) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
     msg = str(err).splitlines()[0]
     if "not in" in msg or ("Key '" in msg and "not" in msg):
         parent = OmegaConf.select(schema, key.rsplit(".", 1)[0]) if "." in key else schema
         return ConfigError(f"{source}: unknown config key '{key}'.{_suggest(key, parent)}")
     value = getattr(err, "value", None)
+    if not key or "subclass of" in msg:   # a value where a group of keys goes: omegaconf names neither
+        key, value = _container_mismatch(schema, other) or (key or "?", value)
+    expects = _expects(schema, key, value)
+    if expects and ("AnyNode" in msg or "subclass of" in msg or "Cannot assign" in msg
+                    or "incompatible container" in msg or "Cannot convert 'ListConfig'" in msg):
+        return ConfigError(f"{source}: invalid value {_plain(value)!r} for '{key}': {expects}.")
     enum_hint = ""
     target = OmegaConf.select(schema, key, default=None) if key != "?" else None
     if isinstance(target, Enum) and "expected one of" not in msg:
         enum_hint = f" Allowed values: {', '.join(m.value for m in type(target))}."
-    return ConfigError(f"{source}: invalid value {value!r} for '{key}' ({msg}).{enum_hint}")
+    if expects and not isinstance(target, Enum):
+        return ConfigError(f"{source}: invalid value {_plain(value)!r} for '{key}' ({msg.rstrip('.')}): {expects}.")
+    return ConfigError(f"{source}: invalid value {_plain(value)!r} for '{key}' ({msg}).{enum_hint}")
+
+
+def _plain(value):
+    """A config value as plain Python (a ListConfig as a list), for messages."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value)
+    return value
+
+
+def _schema_node(schema, key: str):
+    """The schema's node of dotted `key` (None if there is none)."""
+    parent, _, leaf = key.rpartition(".")
+    try:
+        holder = OmegaConf.select(schema, parent) if parent else schema
+        return holder._get_node(leaf) if isinstance(holder, DictConfig) else None
+    except Exception:   # omegaconf's lookups raise several types for a missing key
+        return None
+
+
+def _container_mismatch(schema, other, prefix: str = ""):
+    """(key, value) of the first place where `other` (what a file or override gives) holds a list
+    or a plain value where the schema has a group of keys, or a group where it has a list or a
+    value: where omegaconf's merge stops with a message naming neither."""
+    if other is None:
+        return None
+    items = other.items() if isinstance(other, (dict, DictConfig)) else ()
+    for k, v in items:
+        key = f"{prefix}{k}"
+        node = _schema_node(schema, key)
+        if node is None:
+            continue
+        if OmegaConf.is_dict(node) and not isinstance(v, (dict, DictConfig)):
+            return key, v
+        if OmegaConf.is_list(node) and isinstance(v, (dict, DictConfig)):
+            return key, v
+        if isinstance(v, (dict, DictConfig)) and OmegaConf.is_dict(node) \
+                and dataclasses.is_dataclass(node._metadata.ref_type):
+            found = _container_mismatch(schema, v, key + ".")
+            if found:
+                return found
+    return None
+
+
+# keys whose example is not made from the schema alone
+EXAMPLES = {"data.valid_sets": "data.valid_sets.wiki=[/data/wiki_text_document] (one key per named set; "
+                               "its value a data path)",
+            "train.deepspeed": "train.deepspeed.steps_per_print=100 (DeepSpeed's own config keys)",
+            "data.data_path": "data.data_path=[data/fineweb_text_document] or data.data_path='[0.3, data/a, "
+                              "0.7, data/b]'"}
+
+
+def _expects(schema, key: str, value) -> str:
+    """What `key` takes, with an example: for a message about a value of the wrong kind."""
+    if key.startswith("data.valid_sets.") and key.count(".") == 2:   # a named set: its own key
+        return (f"{key} takes a data path, a prefix or weight/prefix pairs, e.g. "
+                f"{key}=[/data/{key.rsplit('.', 1)[1]}_text_document]")
+    node = _schema_node(schema, key)
+    if node is None:
+        return ""
+    value = _plain(value)
+    ref = node._metadata.ref_type
+    if key == "data.valid_sets" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        name = Path(value[0]).name.removesuffix("_text_document") or "wiki"
+        return (f"data.valid_sets names its sets, a key each: data.valid_sets.{name}=[{value[0]}] "
+                f"(Megatron's --valid-data-path, named; a set's value is a prefix or weight/prefix pairs)")
+    if key in EXAMPLES:
+        kind = "a list" if OmegaConf.is_list(node) else "named entries"
+        return f"{key} takes {kind}, e.g. {EXAMPLES[key]}"
+    if OmegaConf.is_list(node):
+        element = node._metadata.element_type
+        what = "whole numbers" if element is int else "numbers" if element is float else "text values"
+        scalar = value is not None and not isinstance(value, (list, dict))
+        example = f"[{value}]" if scalar else ("[1, 2]" if element in (int, float) else "[a, b]")
+        return f"{key} takes a list of {what}, e.g. {key}={example}"
+    if OmegaConf.is_dict(node):
+        if dataclasses.is_dataclass(ref):
+            fields = list(node.keys())
+            first = fields[0]
+            default = getattr(OmegaConf.select(schema, f"{key}.{first}"), "value",
+                              OmegaConf.select(schema, f"{key}.{first}"))
+            shown = value if isinstance(value, str) and value else default
+            listed = ", ".join(fields[:8]) + (f", ... ({len(fields)} keys)" if len(fields) > 8 else "")
+            return f"{key} is a group of keys ({listed}), not a value: set one of them, e.g. {key}.{first}={shown}"
+        return f"{key} takes named entries, e.g. {key}.<name>=<value>"
+    current = OmegaConf.select(schema, key, default=None)
+    current = getattr(current, "value", current)
+    if isinstance(ref, type) and issubclass(ref, Enum):
+        return f"{key} takes one of {', '.join(m.value for m in ref)}, e.g. {key}={current or next(iter(ref)).value}"
+    if ref is bool:
+        return f"{key} takes true or false, e.g. {key}={str(not current).lower() if current is not None else 'true'}"
+    if ref is int:
+        return f"{key} takes a whole number, e.g. {key}={current if current is not None else 1}"
+    if ref is float:
+        return f"{key} takes a number, e.g. {key}={current if current is not None else 0.5}"
+    if ref is str:
+        return f"{key} takes one text value, e.g. {key}={current if current is not None else 'runs/x'}"
+    return ""
 
 
 def _merge(base, other, source: str):
     try:
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as err:
-        raise _describe_error(err, source, base) from None
+        raise _describe_error(err, source, base, other) from None
+    except TypeError as err:   # omegaconf's "Cannot merge incompatible container types": no key named
+        found = _container_mismatch(base, other)
+        if found is None:
+            raise ConfigError(f"{source}: {err}: a value where the schema has a group of keys, or the reverse; "
+                              f"see docs/reference/config.md.") from None
+        key, value = found
+        raise ConfigError(f"{source}: invalid value {_plain(value)!r} for '{key}': "
+                          f"{_expects(base, key, value)}.") from None
 
 
 def load_config(files=(), overrides=()) -> Config:
@@ -357,13 +473,7 @@ def load_config(files=(), overrides=()) -> Config:
     given: set[str] = set()
     for path in files:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist "
-                              f"(looked for {path.resolve()}); pass an existing YAML file.")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as err:   # yaml errors come in several types
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        loaded = _read_config_file(path)
         cfg = _merge(cfg, loaded, str(path))
         given.update(_dotted_keys(OmegaConf.to_container(loaded)) if isinstance(loaded, DictConfig) else ())
     seen: dict[str, str] = {}
@@ -385,6 +495,76 @@ def load_config(files=(), overrides=()) -> Config:
     out = resolve(OmegaConf.to_object(cfg), given=given)
     out.given_keys = frozenset(given)   # what a file or an override set (the rest: schema defaults)
     return out
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))   # a config file's top-level keys
+
+
+def _read_config_file(path: Path) -> DictConfig:
+    """One --config file as a mapping of sections; anything else (a folder, a list, a JSON file
+    of another kind: an export's config.json, a tokenizer, a metrics file) is named as what it is."""
+    if path.is_dir():
+        yamls = sorted(p.name for p in path.glob("*.yaml"))[:5]
+        raise ConfigError(f"config file '{path}' is a folder: give a YAML file"
+                          f"{' in it, e.g. ' + str(path / yamls[0]) if yamls else ''}.")
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist "
+                          f"(looked for {path.resolve()}); pass an existing YAML file.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not text (not UTF-8): a config is a YAML file such as "
+                          f"configs/model/tiny.yaml.") from None
+    stripped = text.lstrip()
+    if path.suffix in (".json", ".jsonl") or stripped[:1] == "{":
+        import json
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = _NOT_JSON
+        if data is not _NOT_JSON or path.suffix in (".json", ".jsonl"):
+            what = _json_kind(data, path)
+            if what:   # JSON holding config sections is YAML too: read below
+                raise ConfigError(f"--config {path} is {what}, not a megatron_id config: a config is a YAML "
+                                  f"file of the sections {', '.join(SECTIONS)} (e.g. configs/model/tiny.yaml); "
+                                  f"single keys go as overrides (model.d_model=256).")
+    try:
+        loaded = OmegaConf.create(text) if stripped else OmegaConf.create({})
+    except Exception as err:   # yaml errors come in several types
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(loaded, DictConfig):
+        kind = "a list" if isinstance(loaded, ListConfig) else f"a {type(loaded).__name__}"
+        raise ConfigError(f"{path}: its top level is {kind}, not a mapping of sections: a config file holds "
+                          f"{', '.join(SECTIONS)} keys, e.g. 'model:' then '  d_model: 256' on the next line.")
+    if not stripped or not len(loaded):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"warning: config file {path} is empty: it sets nothing.", file=sys.stderr, flush=True)
+    return loaded
+
+
+_NOT_JSON = object()
+
+
+def _json_kind(data, path: Path) -> str:
+    """What a JSON (or JSON Lines) file given as --config is, '' when it holds config sections."""
+    if data is _NOT_JSON:
+        return ("a JSON Lines file (one object per line, e.g. a train.metrics_file)" if path.suffix == ".jsonl"
+                else "not valid JSON")
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}"
+    keys = set(data)
+    if keys and keys <= set(SECTIONS):
+        return ""
+    if {"architectures", "model_type"} & keys:
+        return "a Hugging Face model config (an export's config.json)"
+    if {"added_tokens", "normalizer", "pre_tokenizer"} & keys:
+        return "a tokenizer (tokenizer.json)"
+    if {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization"} & keys:
+        return "a DeepSpeed config (give its keys as train.deepspeed.<key>=<value>)"
+    if "step" in keys:
+        return "a metrics line (train.metrics_file)"
+    shown = ", ".join(sorted(map(str, keys))[:6]) or "none"
+    return f"a JSON file whose top-level keys ({shown}) are not config sections"
 
 
 def defaulted_keys(cfg: Config, keys) -> list[str] | None:

@@ -31,11 +31,13 @@ class Trained:
         self.tokenizer_path, self.tokenizer_id = tokenizer_path, tokenizer_id
 
 
-def load_trained(source, tokenizer=None, allow_tokenizer_mismatch: bool = False) -> Trained:
+def load_trained(source, tokenizer=None, allow_tokenizer_mismatch: bool = False, verify: str = "sample") -> Trained:
     """From a training checkpoint (root or iter folder, any layout) or an exported Hugging Face
     folder (it has config.json). The tokenizer (given, or the one recorded) is checked against
     the model before the weights are read: the identity recorded at training or export, and a
-    vocabulary the embedding table holds."""
+    vocabulary the embedding table holds. An export's files are checked against its manifest
+    first (`verify`: "sample" or "full", hf/export.py verify_export); a training checkpoint's
+    are checked whole, as always."""
     import json
     from .checkpoint.read import read_checkpoint
     from .data.tokenizer import check_tokenizer_for_model, eod_id, find_tokenizer, load_tokenizer
@@ -43,24 +45,26 @@ def load_trained(source, tokenizer=None, allow_tokenizer_mismatch: bool = False)
     source = Path(source)
     client = None
     if (source / "config.json").is_file():
-        _, cfg, weights = read_hf_folder(source)
-        tokenizer = find_tokenizer(tokenizer, str(source / "tokenizer.json"), source)
+        _, cfg, weights = read_hf_folder(source, verify)
+        recorded_path = source / "tokenizer.json"
+        tokenizer = find_tokenizer(tokenizer, str(recorded_path), source)
         recorded = json.loads((source / "config.json").read_text()).get(TOKENIZER_ID_KEY)
     else:
         _, client, cfg, weights = read_checkpoint(source, also_export=True)
+        recorded_path = client.tokenizer
         tokenizer = find_tokenizer(tokenizer, client.tokenizer, source)
         recorded = client.tokenizer_id
     tok = load_tokenizer(str(tokenizer))
     identity = check_tokenizer_for_model(tok, tokenizer, cfg.vocab_size, recorded, source,
-                                         allow=allow_tokenizer_mismatch)
+                                         allow=allow_tokenizer_mismatch, recorded_path=recorded_path)
     model = LanguageModel(cfg, seed=None)
     model.load_state_dict(weights, strict=True)
     return Trained(model.eval(), tok, eod_id(tok), cfg, client, Path(tokenizer), identity)
 
 
-def load_model_and_tokenizer(source, tokenizer=None, allow_tokenizer_mismatch: bool = False):
+def load_model_and_tokenizer(source, tokenizer=None, allow_tokenizer_mismatch: bool = False, verify: str = "sample"):
     """(LanguageModel in eval mode, tokenizers.Tokenizer, eos id): see load_trained."""
-    trained = load_trained(source, tokenizer, allow_tokenizer_mismatch)
+    trained = load_trained(source, tokenizer, allow_tokenizer_mismatch, verify)
     return trained.model, trained.tokenizer, trained.eod
 
 

@@ -125,3 +125,117 @@ def test_quickstart_refuses_a_folder_that_holds_a_run(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert f"{run} already holds a run: give a new OUTPUT_DIR" in last and "--overwrite" not in last
     assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------ issue 41 group A: config values of the wrong kind
+
+@pytest.mark.parametrize("override, mention", [
+    # a TypeError traceback ("Cannot merge incompatible container types") before
+    ("data.valid_sets=[data/wiki_text_document, data/c4_text_document]",
+     r"invalid value \['data/wiki_text_document', 'data/c4_text_document'\] for 'data.valid_sets': data.valid_sets "
+     r"names its sets, a key each: data.valid_sets.wiki=\[data/wiki_text_document\]"),
+    # omegaconf's "str is not a subclass of WandbConfig" and "AnyNode is not a ListConfig" before
+    ("train.wandb=myproject", r"invalid value 'myproject' for 'train.wandb': train.wandb is a group of keys \(project, "
+                              r"entity, .*\), not a value: set one of them, e.g. train.wandb.project=myproject\.$"),
+    ("train.extra_save_steps=5", r"'train.extra_save_steps': train.extra_save_steps takes a list of whole numbers, "
+                                 r"e.g. train.extra_save_steps=\[5\]\.$"),
+    ("train.wandb.tags=baseline", r"train.wandb.tags takes a list of text values, e.g. train.wandb.tags=\[baseline\]"),
+    ("train.deepspeed=5", r"train.deepspeed takes named entries, e.g. train.deepspeed.steps_per_print=100"),
+    ("seed=abc", r"could not be converted to Integer\): seed takes a whole number, e.g. seed=42\.$"),
+    ("data.split=[1,2,3]", r"data.split takes one text value, e.g. data.split=969,30,1"),
+    ("data.valid_sets.wiki=", r"data.valid_sets.wiki takes a data path, a prefix or weight/prefix pairs, e.g. "
+                              r"data.valid_sets.wiki=\[/data/wiki_text_document\]"),
+])
+def test_a_value_of_the_wrong_kind_says_what_the_key_takes(override, mention):
+    with pytest.raises(ConfigError, match=mention) as err:
+        load_config([TINY], [override])
+    assert "AnyNode" not in str(err.value) and "subclass of" not in str(err.value)
+
+
+def test_config_files_that_are_not_configs_are_named(tmp_path):
+    import json
+    cases = {
+        "list.yaml": ("- model\n- train\n", r"list.yaml: its top level is a list, not a mapping of sections"),
+        "valid.yaml": ("data:\n  valid_sets: [a_text_document]\n",
+                       r"valid.yaml: invalid value \['a_text_document'\] for 'data.valid_sets': .*data.valid_sets.a="),
+        "wandb.yaml": ("train:\n  wandb: myproject\n", r"wandb.yaml: invalid value 'myproject' for 'train.wandb'"),
+        "config.json": (json.dumps({"architectures": ["X"], "model_type": "megatron_id", "d_model": 64}),
+                        r"--config .*config.json is a Hugging Face model config \(an export's config.json\), not a "
+                        r"megatron_id config"),
+        "ds.json": (json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 1}}),
+                    r"ds.json is a DeepSpeed config \(give its keys as train.deepspeed.<key>=<value>\)"),
+        "metrics.jsonl": ('{"step": 1}\n{"step": 2}\n', r"metrics.jsonl is a JSON Lines file"),
+    }
+    for name, (text, mention) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=mention):
+            load_config([tmp_path / name])
+    with pytest.raises(ConfigError, match=r"gpt2-tokenizer.json is a tokenizer \(tokenizer.json\), not a megatron_id config"):
+        load_config([ROOT / "tests" / "data" / "gpt2-tokenizer.json"])
+    with pytest.raises(ConfigError, match=r"config file '.*configs/model' is a folder: give a YAML file in it, e.g. "):
+        load_config([CONFIGS / "model"])
+    (tmp_path / "ok.json").write_text(json.dumps({"model": {"d_model": 96}}))   # JSON is YAML: a config in JSON works
+    assert load_config([TINY, tmp_path / "ok.json"]).model.d_model == 96
+    # through the command: one line, no traceback (it was `TypeError: Cannot merge incompatible container types`)
+    refused(["megatron_id.cli", "params", "--config", tmp_path / "list.yaml"],
+            mention=r"list.yaml: its top level is a list", unchanged=[tmp_path])
+
+
+# ------------------------------------------------------------------ issue 41 group C: tools and launchers
+
+@pytest.mark.parametrize("extra, mention", [
+    # an overhead no GPU of that size can hold was "no layout fits: use more GPUs ..."
+    (["--gpu-memory", "8GiB", "--overhead", "10GiB"],
+     r"--overhead 10GiB is not less than the 7\.2 GiB a layout may use of --gpu-memory 8GiB \(90%, --margin 0\.1\): "
+     r"no layout could fit; check --gpu-memory .*lower --overhead \(default 2GiB\) or --margin"),
+    (["--gpu-memory", "80GiB", "--margin", "0.99"], r"--overhead 2GiB is not less than the 0\.8 GiB"),
+    # a bare 0 was told "Write 0GiB", which is refused in turn
+    (["--gpu-memory", "0"], r"--gpu-memory '0' must be more than 0 \(e\.g\. 80GiB\)\.$"),
+    (["--gpu-memory", "-5"], r"--gpu-memory '-5' must be more than 0"),
+    (["--gpu-memory", "1e400GiB"], r"--gpu-memory '1e400GiB' is not understood"),
+])
+def test_plan_names_an_overhead_above_the_gpu_and_a_zero_memory(extra, mention, tmp_path):
+    done = refused(PLAN + extra, mention=mention, unchanged=[tmp_path])
+    assert "Write 0GiB" not in done.stderr and "Write -5GiB" not in done.stderr
+
+
+def test_plan_takes_a_bare_zero_overhead():
+    done = run_module("megatron_id.cli", [*PLAN[1:], "--gpu-memory", "8GiB", "--overhead", "0", "--top", "1"])
+    assert done.returncode == 0 and "overhead 0.0 GiB per GPU included" in done.stdout, done.stderr
+
+
+def test_kernel_resources_refuses_zero_jobs(tmp_path):
+    """--jobs 0 compiled in one process without a word; an abbreviation is not a flag."""
+    for jobs in ("0", "-2"):
+        refused(["megatron_id.cli", "kernel-resources", "--config", TINY, "--jobs", jobs], unchanged=[tmp_path],
+                mention=rf"kernel-resources: error: --jobs {jobs}: give at least 1 compiler process")
+    refused(["megatron_id.cli", "kernel-resources", "--config", TINY, "--job", "2"],
+            mention=r"unrecognized arguments: --job")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA machine runs the GPU steps")
+def test_gpu_check_gpu_steps_on_a_cpu_machine_say_so(tmp_path):
+    """`launch/gpu_check.py kernel` was AssertionError: Torch not compiled with CUDA enabled."""
+    for step in ("kernel", "decode", "attention"):
+        refused(["launch.gpu_check", step], unchanged=[tmp_path],
+                mention=rf"gpu_check {step}: needs a CUDA GPU and torch .* \(bash launch/gpu_check.sh\), or add "
+                        r"--dry-run for the same check on the CPU\.")
+    (tmp_path / "losses.json").write_text("not json")
+    refused(["launch.gpu_check", "compare", tmp_path / "losses.json", tmp_path / "losses.json"], unchanged=[tmp_path],
+            mention=r"gpu_check compare: .*losses.json is not a losses file \(a JSON list of numbers")
+    refused(["launch.gpu_check", "losses", "--out", tmp_path], unchanged=[tmp_path],
+            mention=r"gpu_check losses: --out .*: give a file in an existing folder \(it is a folder\)")
+
+
+def test_reproduce_refuses_an_out_that_is_a_file_or_holds_other_things(tmp_path):
+    """`reproduce.py --out FILE` was FileExistsError's traceback; a folder of other files would have
+    received tokenizer.json, data/, runs/ ... among them."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    base = ["launch.reproduce", "--study", "mqar", "--out"]
+    refused([*base, mine], unchanged=[tmp_path], mention=r"--out .*notes.txt is a file: give a folder")
+    refused([*base, mine / "sub"], unchanged=[tmp_path], mention=r"--out .*notes.txt/sub: .*notes.txt is a file")
+    refused([*base, tmp_path], unchanged=[tmp_path],
+            mention=r"--out .* holds other files and no run of this script \(no state.json or logs/\)")
+    refused([*base, tmp_path / "new", "--report", tmp_path], unchanged=[tmp_path],
+            mention=r"--report .* is a folder: give a file name")

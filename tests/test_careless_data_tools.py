@@ -260,3 +260,39 @@ def test_train_tokenizer_says_when_it_got_fewer_tokens_than_asked(tmp_path, caps
     # a vocabulary the corpus can fill: no warning
     assert train_tool.main(["--input", str(corpus), "--vocab-size", "260", "--output", str(tmp_path / "ok.json")]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ issue 41 group C: output prefixes that name a folder
+# `--output-prefix dir/` wrote dir/_text_document.bin/.idx and `merge dir/ ...` a hidden dir/.bin: a prefix is
+# a path plus the start of file names (Megatron's), so a folder, ".", "" or a name ending in .bin/.idx is refused
+# before any work with the prefix that was most likely meant.
+
+@pytest.mark.parametrize("given, mention", [
+    ("{out}/", r"--output-prefix '.*/out/' names a folder, not a prefix: .* e\.g\. --output-prefix .*/out/fineweb "
+               r"writes .*/out/fineweb_text_document\.bin/\.idx\."),
+    ("{out}/.", r"--output-prefix '.*/out/\.' names a folder, not a prefix"),
+    ("", r"--output-prefix '' is empty: .* e\.g\. --output-prefix fineweb writes fineweb_text_document\.bin/\.idx\."),
+    ("{out}/corpus.bin", r"--output-prefix '.*/out/corpus\.bin' ends in \.bin: the prefix has no extension; "
+                         r"e\.g\. --output-prefix .*/out/corpus writes"),
+])
+def test_preprocess_refuses_an_output_prefix_that_names_a_folder(data, tmp_path, given, mention):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    refused([PRE, *preprocess_args([data["docs"]], given.format(out=tmp_path / "out"))], mention=mention,
+            unchanged=[tmp_path], cwd=tmp_path)
+    assert not list(tmp_path.glob("**/*_text_document*")) and not list(tmp_path.glob("**/.bin"))
+    refused(["megatron_id.cli", "preprocess", *preprocess_args([data["docs"]], f"{tmp_path / 'out'}/")],
+            mention=r"--output-prefix '.*/out/' names a folder", unchanged=[tmp_path])
+
+
+def test_merge_refuses_an_output_prefix_that_names_a_folder(data, tmp_path):
+    pair = copy_pair(data["gpt2"], tmp_path / "data", "corpus_text_document")
+    for given, mention in ((f"{tmp_path / 'data'}/", r"output prefix '.*/data/' names a folder, not a prefix: .* "
+                                                      r"e\.g\. output prefix .*/data/merged writes .*/data/merged\.bin/\.idx\."),
+                           (f"{tmp_path / 'data'}/.", r"output prefix '.*/data/\.' names a folder"),
+                           (str(tmp_path / "merged.idx"), r"output prefix '.*/merged\.idx' ends in \.idx: the prefix has "
+                                                          r"no extension; e\.g\. output prefix .*/merged writes")):
+        refused([MERGE, given, pair], mention=mention, unchanged=[tmp_path])
+    assert not (tmp_path / "data" / ".bin").exists()
+    done = run_module(MERGE, [tmp_path / "data" / "merged", pair])   # the prefix it suggested works
+    assert done.returncode == 0 and (tmp_path / "data" / "merged.bin").is_file(), done.stderr

@@ -1,6 +1,8 @@
 """Reading a checkpoint at another layout without the whole model (megatron_id/checkpoint/read.py):
 each rank's slices, taken from the saved shards, equal what splitting the whole model gives,
 for every saving (TP, PP) and loading TP, the vocabulary padding included."""
+import re
+
 import pytest
 import torch
 
@@ -128,3 +130,67 @@ def test_export_streams_one_tensor_at_a_time(tmp_path):
     assert (tmp_path / "got.safetensors").read_bytes() == (tmp_path / "want.safetensors").read_bytes()
     rise = (peak[0] - base) / weights
     assert rise < 0.3, f"private memory rose by {rise:.2f}x the weights ({weights / 2**20:.0f} MiB)"
+
+
+# ---------------------------------------------------------------- issue 41 group B: a checkpoint save on a full disk
+
+def _save_onto_a_full_disk(rank, world, items, disk, real):
+    """Train one step, then save into `disk` (a 2 MiB file system when `real`): refused before
+    writing; then, the room check passed as if the disk filled afterwards, a synchronous and an
+    asynchronous save that fail while writing. Returns (message, files left) of each."""
+    from pathlib import Path
+    import megatron_id.checkpoint.background as background
+    import megatron_id.checkpoint.space as space
+    from megatron_id.errors import DiskFullError
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
+    trainer.train(max_steps=1)
+    root, out = Path(disk) / "checkpoints", []
+
+    def attempt():
+        try:
+            trainer.save_checkpoint(root)
+            trainer.wait_for_saves()
+            out.append(("saved", []))
+        except DiskFullError as err:
+            out.append((str(err), sorted(str(p.relative_to(disk)) for p in Path(disk).rglob("*") if p.is_file())))
+    if real:
+        attempt()
+    space.agree_on_room = lambda root, tag, mine: mine   # the disk fills after the check
+    if not real:   # no small file system here: torch.save's own error on a full disk, after a partial write
+        def full(state_dict, path):
+            Path(path).write_bytes(b"\0" * 4096)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 4160")
+        trainer.engine.checkpoint_engine.save = full
+        background.write_file = full
+    attempt()
+    trainer.cfg.train.async_save = True
+    attempt()
+    return out
+
+
+@pytest.mark.slow
+def test_a_save_on_a_full_disk_says_so_names_the_bytes_and_leaves_no_partial_files(fineweb_prefix, tmp_path):
+    """Before: `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos` (a
+    traceback) and a .incomplete/ folder of the partial files left behind (41 MB at 125M), for
+    synchronous and asynchronous saves alike. A real 2 MiB tmpfs where this test may mount one
+    (root), else the checkpoint writers fail as torch.save does on a full disk."""
+    from distributed import run_distributed
+    from file_systems import small_file_system
+    items = [f"data.data_path=[{fineweb_prefix}]", "data.split=100,0,0", "model.vocab_size=50257",
+             "train.precision=fp32", "train.zero_stage=1", "train.micro_batch_size=2", "train.global_batch_size=2",
+             "train.train_tokens=256", "optimizer.warmup_tokens=1", "train.eval_iters=0"]
+    disk = tmp_path / "disk"
+    with small_file_system(disk, "2m") as real:
+        results = run_distributed(_save_onto_a_full_disk, 1, args=(items, disk, real), timeout=300)[0]
+    where = r"no space left on device writing checkpoint iter_0000001 into .*disk/checkpoints: it needs about [\d,]+ " \
+            r"bytes \(\d+.\d MiB\)"
+    if real:
+        message, left = results.pop(0)
+        assert re.search(where + r", [\d,]+ bytes \(2.0 MiB\) free there. Nothing was written; no checkpoint was saved "
+                         r"there yet. Free space there, or set train.save to a folder with room, and run again", message)
+        assert left == []
+    for message, left in results:   # synchronous, then asynchronous
+        assert re.search(where + r"\. Its partial files in .*disk/checkpoints/.incomplete/iter_0000001 \([\d.]+ \w+\) "
+                         r"were removed; no checkpoint was saved there yet", message), message
+        assert left == [], left

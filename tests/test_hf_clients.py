@@ -239,11 +239,14 @@ def test_the_oldest_transformers_5(exports, tmp_path_factory):
     if not (env_dir / "ready").exists():
         shutil.rmtree(env_dir, ignore_errors=True)
         venv.create(env_dir, with_pip=True)
-        # this environment's packages (torch, tokenizers, ...) come after the new venv's own
-        # site-packages (a .pth line), so only transformers and what it needs differently change
-        purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-        Path(purelib, "zz_megatron_id_parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # this environment's packages (torch, tokenizers, ...) come after the new venv's own
+    # site-packages (a .pth line), so only transformers and what it needs differently change;
+    # written at every run: the cached venv outlives the environment that made it (CI's venv is
+    # a temporary folder), and a line naming a removed folder left it without torch
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "zz_megatron_id_parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    if not (env_dir / "ready").exists():
         done = subprocess.run([str(python), "-m", "pip", "install", "-q", f"transformers=={OLDEST}"],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -133,8 +133,11 @@ def test_cli_recommends_a_layout_that_fits_for_1p3b_on_4_x_8_x_80gib(capsys):
 def test_cli_fails_when_nothing_fits_and_on_bad_sizes(capsys):
     """An empty plan is not a success; impossible cluster sizes are one-line errors."""
     assert main(["plan", "--config", str(CONFIGS / "model" / "1p3b.yaml"), "--nodes", "1",
-                 "--gpus-per-node", "1", "--gpu-memory", "1GiB", "--top", "1"]) == 1
+                 "--gpus-per-node", "1", "--gpu-memory", "4GiB", "--top", "1"]) == 1
     assert "no layout fits" in capsys.readouterr().err
+    # a GPU smaller than the assumed overhead: named as such, not "no layout fits" (issue 41)
+    assert main(["plan", "--config", str(SMALL), "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory", "1GiB"]) == 2
+    assert "--overhead 2GiB is not less than the 0.9 GiB" in capsys.readouterr().err
     assert main(["plan", "--config", str(SMALL), "--nodes", "0", "--gpus-per-node", "4",
                  "--gpu-memory", "40GiB"]) == 2
     assert "--nodes 0: must be at least 1" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -144,7 +144,9 @@ def test_a_flipped_byte_in_a_shard_is_refused_with_the_file_named(fineweb_prefix
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    refused(train_command(*train_items(fineweb_prefix, f"train.save={ckpt}", f"train.load={ckpt}")),
+    # (a longer run, so that it resumes: a rerun of the finished run says so without loading)
+    refused(train_command(*train_items(fineweb_prefix, f"train.save={ckpt}", f"train.load={ckpt}",
+                                       "train.train_tokens=512")),
             mention=r"mp_rank_00_model_states.pt does not match its sha256", unchanged=[tmp_path])
     done = run_module("megatron_id.cli", ["check-checkpoint", str(ckpt)])
     assert done.returncode != 0 and "DAMAGED" in done.stderr and "mp_rank_00_model_states.pt" in done.stderr

@@ -219,3 +219,77 @@ def test_serve_refuses_bad_options_before_loading(tmp_path, capsys):
                           (["--max-model-len", "1"], "--max-model-len 1: at least 2")]:
         assert main(["serve", "--checkpoint", str(tmp_path / "nope"), *args]) == 2, args
         assert mention in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue 41 group B: serve's careless inputs
+
+def test_a_request_for_another_model_gets_404_as_from_openai_servers(export):
+    """Before: a body naming any model was served by this one, without a word."""
+    import asyncio
+    from aiohttp.test_utils import TestClient, TestServer
+    from megatron_id.generation import load_trained
+    from megatron_id.inference.server import build_app
+
+    class Idle:   # no request gets as far as the engine here
+        failure, max_pending = None, 1
+
+        def busy(self):
+            return 0
+
+    async def ask():
+        app = build_app(Idle(), load_trained(export).tokenizer, "hf", 64, 1.0)
+        async with TestClient(TestServer(app)) as client:
+            reply = await client.post("/v1/completions", json={"model": "gpt-4", "prompt": "Hi"})
+            return reply.status, await reply.json()
+    status, body = asyncio.run(ask())
+    assert status == 404, body
+    assert body["error"] == {"message": "The model `gpt-4` does not exist: this server serves `hf` (GET /v1/models; "
+                                        "megatron-id serve --served-model-name)", "type": "invalid_request_error",
+                             "param": "model", "code": "model_not_found"}
+
+
+def test_a_host_or_port_that_cannot_be_listened_on_is_named_before_loading(export, tmp_path, capsys):
+    """Before: `--host 999.1.1.1` failed after the model was loaded, with an OSError naming no flag."""
+    from bad_inputs import refused
+    from megatron_id.cli import main
+    refused(["megatron_id.cli", "serve", "--checkpoint", tmp_path / "not-loaded", "--host", "999.1.1.1"],
+            mention=r"--host 999.1.1.1: not an address or a host name that resolves .*give an address of this "
+                    r"machine, e.g. 127.0.0.1", unchanged=[tmp_path])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, mention in [(["--port", str(port)], f"--port {port}: already in use on 127.0.0.1"),
+                              (["--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this machine")]:
+            assert main(["serve", "--checkpoint", str(tmp_path / "not-loaded"), *args]) == 2, args
+            assert mention in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_kv_pool_larger_than_the_memory_is_refused_before_it_is_allocated(export, tmp_path, capsys, monkeypatch):
+    """Before: `serve --max-model-len 10000000` on a hybrid allocated 20 GB of KV cache (and the
+    out-of-memory killer ended it). Now the pool is compared with the memory first, named, and
+    the largest --max-model-len that fits is said."""
+    import re
+    from megatron_id.cli import main
+    from megatron_id.inference import fused_decode
+    hybrid = tiny_export(tmp_path / "hf", "hybrid")
+    monkeypatch.setattr(fused_decode, "available_memory", lambda device: (8 * 2**30, "of host memory available"))
+    assert main(["serve", "--checkpoint", str(hybrid), "--max-model-len", "10000000", "--slots", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"--max-model-len 10,000,000 x --slots 8: the KV cache of the model's 2 softmax layer\(s\) would "
+                     r"take 38.1 GiB \([\d,]+ bytes, allocated at start\), more than 80% of the 8.0 GiB of host memory "
+                     r"available. Lower --max-model-len or --slots \(at most 1,677,261 tokens fit with 8 slot\(s\)\)",
+                     err), err
+    # fixed-state layers: no KV cache, but each slot's state and logits row (10M slots: 2 TiB)
+    assert main(["serve", "--checkpoint", str(export), "--slots", "10000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"--max-model-len 64 \(the seq_length of the model\) x --slots 10,000,000: the recurrent states "
+                     r"and logits of 10,000,000 slot\(s\) would take [\d,.]+ GiB .*more than 80% of the 8.0 GiB of host "
+                     r"memory available. Lower --max-model-len or --slots \(at most [\d,]+ slot\(s\) fit\)", err), err
+    # generate refuses the same way before the prompt is echoed, one prompt or a file of them
+    (tmp_path / "prompts.txt").write_text("Rivers\n")
+    for args in (["--prompt", "Rivers"], ["--input-file", str(tmp_path / "prompts.txt")]):
+        assert main(["generate", "--checkpoint", str(hybrid), "--max-new-tokens", "100000000", *args]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "--max-new-tokens 100,000,000 after a prompt" in captured.err.replace(
+            "after prompts", "after a prompt"), captured

@@ -64,7 +64,9 @@ def test_metrics_file_keeps_the_steps_up_to_the_resume(tmp_path):
     from megatron_id.training.metrics import open_metrics_file
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in range(1, 8)))
-    with open_metrics_file(path, 5) as f:
+    at_five = len("".join(line + "\n" for line in path.read_text().splitlines()[:5]).encode())
+    record = {"path": str(path.resolve()), "bytes": at_five}   # what the checkpoint of step 5 recorded
+    with open_metrics_file(path, 5, record, resumed=True) as f:
         f.write(json.dumps({"step": 6, "train/loss": 0.5}) + "\n")
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     (tmp_path / "notes.txt").write_text("my notes\n")
@@ -249,9 +251,9 @@ def test_every_option_on_two_ranks_then_a_requeue_and_a_kill_during_the_backgrou
         assert all(board[s] == pytest.approx(mine[s], rel=1e-6, abs=1e-12) for s in mine), tag   # TB keeps float32
     # the schedule: each step's LR is the formula's at the tokens consumed before it (wsd decays in the 2nd half)
     cfg = load_config([TINY], items)
-    lrs = [learning_rate((line["step"] - 1) * 4 * 64, cfg.optimizer, cfg.train.train_tokens) for line in lines]
+    lrs = [learning_rate((line["step"] - 1) * 4 * 64, cfg.optimizer, cfg.train.train_tokens, 4 * 64) for line in lines]
     assert [line["train/lr"] for line in lines] == pytest.approx(lrs, rel=1e-12)
-    assert lrs[3] == 1e-2 and lrs[4] == pytest.approx(1e-2) and lrs[5] < 0.9 * 1e-2   # the decay starts at step 5
+    assert lrs[3] == 1e-2 and lrs[4] < 0.9 * 1e-2 and lrs[7] == pytest.approx(1e-3)   # decay: steps 5-8, to min_lr
     # the time breakdown of the logged steps adds up to the step
     for line in lines:
         if line["step"] % 2 == 0:
@@ -305,3 +307,221 @@ def test_every_option_on_two_ranks_then_a_requeue_and_a_kill_during_the_backgrou
     rerun = run_distributed(_train, 2, args=(items,), timeout=300)[0]
     assert (rerun[0], rerun[1]) == (3, STEPS) and rerun[2] == losses[3:]
     assert not (killed_save / ".incomplete").exists()
+
+
+# ------------------------------------------------------------------ issue 41 group A: the loop's careless cases
+
+def _lines(*steps) -> str:
+    return "".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in steps)
+
+
+def test_only_a_resume_of_the_same_run_trims_the_metrics_file(tmp_path, capsys):
+    """A fresh run pointed at an earlier run's train.metrics_file deleted its lines (the resume
+    rule fired with start step 0); now only the run that wrote the file, resumed from one of its
+    checkpoints, drops its own lines after that checkpoint; anything else appends and says so."""
+    from megatron_id.training.metrics import metrics_position, open_metrics_file
+    path = tmp_path / "m.jsonl"
+    earlier = _lines(*range(1, 17))
+    path.write_text(earlier)
+    with open_metrics_file(path, 0) as f:   # a fresh run: appends after the earlier run's 16 lines
+        f.write(_lines(1))
+    assert path.read_text() == earlier + _lines(1)
+    assert "holds 16 lines (steps 1-16) of an earlier run: this run starts at step 1 and appends" in capsys.readouterr().err
+    ten = len(_lines(*range(1, 11)).encode())
+    cases = [(None, "records no metrics file"),                                          # a checkpoint without a record
+             ({"path": str(tmp_path / "other.jsonl"), "bytes": ten}, "records " + str(tmp_path / "other.jsonl")),
+             ({"path": str(path.resolve()), "bytes": ten + 3}, "the file changed")]      # not at a line's end
+    for record, why in cases:
+        path.write_text(earlier)
+        with open_metrics_file(path, 10, record, resumed=True) as f:
+            f.write(_lines(11))
+        assert path.read_text() == earlier + _lines(11), record
+        assert why in capsys.readouterr().err
+    # the same run, resumed from its step-10 checkpoint: its lines 11-16 go, nothing else
+    path.write_text(earlier)
+    with open_metrics_file(path, 10, {"path": str(path.resolve()), "bytes": ten}, resumed=True) as f:
+        assert metrics_position(f) == {"path": str(path.resolve()), "bytes": ten}
+    assert path.read_text() == _lines(*range(1, 11))
+    assert "dropped the 6 lines (steps 11-16) this run wrote after its checkpoint of step 10" in capsys.readouterr().err
+    # lines after the checkpoint's bytes that are not that run's continuation (another run appended)
+    path.write_text(_lines(*range(1, 11)) + _lines(1, 2, 3))
+    with open_metrics_file(path, 10, {"path": str(path.resolve()), "bytes": ten}, resumed=True):
+        pass
+    assert path.read_text() == _lines(*range(1, 11)) + _lines(1, 2, 3)
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
+def test_wsd_ends_at_min_lr_on_the_last_step_whatever_the_fraction(shape):
+    """decay_fraction=0.01 on a 16-step run never decayed, and 0.25 decayed over 3 steps ending at
+    6.6e-4: the decay takes round(fraction x steps) >= 1 whole steps, the last at min_lr."""
+    from megatron_id.training.optim import wsd_decay_steps
+    step_tokens, steps = 64, 16
+    for fraction, decaying in ((0.01, 1), (0.1, 2), (0.25, 4), (0.5, 8), (1.0, 16)):
+        for warmup in (0, 64):
+            opt = _opt("optimizer.schedule=wsd", f"optimizer.decay_fraction={fraction}", f"optimizer.decay_shape={shape}",
+                       f"optimizer.warmup_tokens={warmup}")
+            lrs = [learning_rate(k * step_tokens, opt, steps * step_tokens, step_tokens) for k in range(steps)]
+            assert lrs[-1] == pytest.approx(1e-4), (fraction, warmup)
+            assert wsd_decay_steps(fraction, steps) == decaying
+            stable = lrs[1 if warmup else 0:steps - decaying]
+            assert all(lr == 1e-3 for lr in stable) and all(lr < 1e-3 for lr in lrs[steps - decaying:]), (fraction, lrs)
+            decay = lrs[max(steps - decaying, 1 if warmup else 0):]
+            assert decay == sorted(decay, reverse=True)
+    # train_tokens not a multiple of the step: the run's 16th step (ceil) is the last, at min_lr
+    opt = _opt("optimizer.schedule=wsd", "optimizer.decay_fraction=0.25", "optimizer.warmup_tokens=0")
+    assert learning_rate(15 * 64, opt, 15 * 64 + 1, 64) == pytest.approx(1e-4)
+    # the other schedules are what they were: the step size changes nothing
+    for schedule in ("cosine", "linear", "constant"):
+        opt = _opt(f"optimizer.schedule={schedule}")
+        for tokens in (0, 50, 100, 333, 640, 960, 1000, 5000):
+            assert learning_rate(tokens, opt, 1000, 64) == learning_rate(tokens, opt, 1000)
+
+
+def test_settings_that_would_be_ignored_are_said_before_any_work():
+    """decay_fraction under cosine, a profile window past the run or on a rank the run does not
+    have, a split without validation while eval_iters > 0: each ignored without a word before."""
+    from megatron_id.training.engine import run_warnings
+    from megatron_id.training.layout import training_layout
+
+    def warnings(*items, world=1):
+        cfg = load_config([TINY], [f"train.train_tokens={1024 * world}", f"train.global_batch_size={world}",
+                                   "optimizer.warmup_tokens=0", *items])
+        return run_warnings(cfg, training_layout(cfg, world), world)   # 16 steps of 64 tokens per rank
+
+    assert warnings() == [] and warnings("optimizer.schedule=wsd", "optimizer.decay_fraction=0.25") == []
+    (line,) = warnings("optimizer.decay_fraction=0.1")
+    assert line.startswith("optimizer.decay_fraction=0.1 applies to optimizer.schedule=wsd only; this run's schedule "
+                           "is cosine")
+    (line,) = warnings("optimizer.schedule=linear", "optimizer.decay_shape=cosine")
+    assert "optimizer.decay_shape=cosine applies to optimizer.schedule=wsd only" in line
+    (line,) = warnings("optimizer.schedule=wsd", "optimizer.decay_fraction=0.01")
+    assert "0.16 of a step: the wsd decay takes the last 1 step" in line
+    (line,) = warnings("train.profile.dir=p", "train.profile.start_step=20")
+    assert "train.profile.start_step=20 is after this run's last step (16): nothing will be profiled" in line
+    (line,) = warnings("train.profile.dir=p", "train.profile.start_step=15", "train.profile.steps=4")
+    assert "only steps 15-16 will be traced" in line
+    (line,) = warnings("train.profile.dir=p", "train.profile.ranks=[2,3]", world=2)
+    assert "this run has ranks 0-1, so 2, 3 will not trace and nothing will be profiled" in line
+    assert warnings("train.profile.ranks=[5]") == []   # no train.profile.dir: no profiling asked for
+    (line,) = warnings("data.split=100,0,0", "train.eval_iters=2")
+    assert "data.split=100,0,0 leaves no validation documents, so no validation will run although train.eval_iters=2" in line
+    (line,) = warnings("data.split=100,0,0", "data.valid_sets.wiki=[w]")
+    assert "so only data.valid_sets (wiki) will be validated" in line
+    assert warnings("data.split=100,0,0", "train.eval_iters=0") == []
+    (line,) = warnings("optimizer.schedule=constant", "optimizer.min_lr=1e-5")
+    assert "optimizer.min_lr=1e-05 is where a decay ends, and optimizer.schedule=constant has none" in line
+    (line,) = warnings("optimizer.warmup_tokens=4096")
+    assert "optimizer.warmup_tokens=4,096 is not below train.train_tokens=1,024: the warmup never ends" in line
+
+
+def test_interrupted_before_the_first_save_names_save_interval(tmp_path):
+    """Ctrl-C before the first checkpoint advised 'set train.save and train.save_interval' with
+    train.save set; now it names the interval (and train.save only when it is unset)."""
+    from types import SimpleNamespace
+    from megatron_id.training.engine import Trainer
+    cfg = load_config([TINY], [f"train.save={tmp_path / 'ck'}", "train.save_interval=500"])
+    said = Trainer._last_checkpoint(SimpleNamespace(cfg=cfg))
+    assert said == f"none yet in {tmp_path / 'ck'} (the first save comes at step 500, train.save_interval; lower it to save sooner)"
+    said = Trainer._last_checkpoint(SimpleNamespace(cfg=load_config([TINY], [])))
+    assert said == "none (train.save is unset: set train.save=<folder> to keep checkpoints)"
+
+
+def test_export_at_end_into_a_folder_that_cannot_be_written_is_refused_at_start(tmp_path, monkeypatch):
+    import os
+    from megatron_id.training.engine import check_export_at_end
+    cfg = load_config([TINY], [f"train.save={tmp_path / 'ck'}", f"data.tokenizer={GPT2}",
+                               f"train.export_hf_at_end={tmp_path / 'out' / 'hf'}"])
+    check_export_at_end(cfg)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if str(p) == str(tmp_path) else real(p, mode, **k))
+    with pytest.raises(ConfigError, match=rf"train.export_hf_at_end={tmp_path}/out/hf: {tmp_path} is not writable, so "
+                                          r"the export at the end would fail after the whole run"):
+        check_export_at_end(cfg)
+
+
+def test_wandb_online_without_an_api_key_is_refused_before_any_work(tmp_path, monkeypatch):
+    from megatron_id.training.metrics import check_wandb
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    online = load_config([], ["train.wandb.project=p"])
+    with pytest.raises(ConfigError, match=r"train.wandb.mode=online \(the default\) uploads to W&B, and no API key was "
+                                          r"found .*run `wandb login` or set WANDB_API_KEY, or set train.wandb.mode=offline"):
+        check_wandb(online)
+    check_wandb(load_config([], ["train.wandb.project=p", "train.wandb.mode=offline"]))   # no key needed
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    check_wandb(online)   # `wandb login` writes ~/.netrc
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_wandb(online)
+
+
+def _group_a_items(prefix, run: Path, *extra):
+    return ["--config", TINY, f"data.data_path=[{prefix}]", "data.split=90,10,0", f"data.tokenizer={GPT2}",
+            "model.vocab_size=50257", "train.precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=2",
+            "train.train_tokens=2048", "train.eval_iters=1", "optimizer.warmup_tokens=0", "train.log_interval=8",
+            f"train.save={run / 'ckpt'}", f"train.metrics_file={run / 'metrics.jsonl'}", *extra]
+
+
+def test_refusals_of_the_loop_come_before_any_work(fineweb_prefix, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    train = ["megatron_id.cli", "train"]
+    done = refused(train + _group_a_items(fineweb_prefix, tmp_path / "run", "train.wandb.project=p"),
+                   mention=r"train.wandb.mode=online \(the default\) uploads to W&B, and no API key was found",
+                   unchanged=[tmp_path], env={"HOME": str(home), "WANDB_API_KEY": "", "NETRC": "",
+                                              "WANDB_CONFIG_DIR": str(home)})
+    assert "training " not in done.stderr   # before the model is built (it was 40 lines after)
+    refused(train + _group_a_items(fineweb_prefix, tmp_path / "run", f"train.export_hf_at_end={tmp_path / 'notes.txt' / 'hf'}"),
+            mention=rf"train.export_hf_at_end=.*notes.txt/hf: {tmp_path}/notes.txt is a file, not a folder",
+            unchanged=[tmp_path])
+    # job-prepare: a config that train refuses is refused by the same check, before anything is recorded
+    prepare = ["megatron_id.cli", "job-prepare", "--run-dir", tmp_path / "job", "--job-id", "7"]
+    refused(prepare + ["--world-size", "1", "--"] + _group_a_items(fineweb_prefix, tmp_path / "run",
+                                                                  f"train.export_hf_at_end={tmp_path / 'notes.txt'}"),
+            mention=r"train.export_hf_at_end=.*notes.txt is a file: give the path of a new or empty folder",
+            unchanged=[tmp_path])
+
+
+def test_job_prepare_refuses_a_job_of_no_tasks(tmp_path):
+    """--world-size 0 ended in a ZeroDivisionError traceback; now one line (the CLI prints a
+    UserError as `megatron-id: error: ...`, exit 2)."""
+    from megatron_id.errors import UserError
+    from megatron_id.training.job import prepare
+    for world, attempt, job, mention in ((0, 0, "7", r"--world-size 0: a job has at least 1 task"),
+                                         (-2, 0, "7", r"--world-size -2: a job has at least 1 task"),
+                                         (1, -1, "7", r"--attempt -1: at least 0"),
+                                         (1, 0, "a/b", r"--job-id 'a/b': give a job id without '/'")):
+        with pytest.raises(UserError, match=mention):
+            prepare(tmp_path / "job", [TINY], [], world_size=world, job_id=job, attempt=attempt, env={})
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.slow
+def test_a_fresh_run_keeps_earlier_lines_decays_to_min_lr_and_a_rerun_says_it_is_finished(fineweb_prefix, tmp_path):
+    """One 16-step run with wsd decay_fraction=0.01 into a metrics file that holds another run's
+    lines (kept), exported at the end; then the same command resuming it: 'already finished at
+    step 16', exit 0, nothing trained, rewritten or exported again."""
+    from bad_inputs import run_module, snapshot
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(_lines(1, 2, 3))   # an unrelated earlier run's
+    items = _group_a_items(fineweb_prefix, run, "optimizer.schedule=wsd", "optimizer.decay_fraction=0.01",
+                           f"train.export_hf_at_end={run / 'hf'}")
+    done = run_module("megatron_id.cli", ["train", *items])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the wsd decay takes the last 1 step" in done.stderr
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, *range(1, 17)] and "train/lr" not in lines[0]
+    assert [line["train/lr"] for line in lines[3:]] == [3e-3] * 15 + [pytest.approx(1e-5)]   # tiny.yaml's lr, the default min_lr
+    assert (run / "hf" / "model.safetensors").is_file()
+    before = snapshot(run)
+    again = run_module("megatron_id.cli", ["train", *items, f"train.load={run / 'ckpt'}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stderr.strip().splitlines()
+    assert said[-2].startswith(f"already finished at step 16: train.load={run / 'ckpt'} holds the run's end; nothing to train")
+    assert said[-1].startswith(f"train.export_hf_at_end={run / 'hf'}: kept the export there, not exported again")
+    assert "training " not in again.stderr and snapshot(run) == before

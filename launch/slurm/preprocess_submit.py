@@ -56,7 +56,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))   # run from a checkout without installing: the repo root
 
-from data_tools.outputs import check_outputs, make_folder, remove_folders  # noqa: E402
+from data_tools.outputs import check_outputs, check_prefix, make_folder, remove_folders  # noqa: E402
 from data_tools.preprocess import PreprocessError, output_prefix  # noqa: E402
 from data_tools.preprocess import build_parser as preprocess_parser  # noqa: E402
 from data_tools.readers import expand_inputs  # noqa: E402
@@ -199,6 +199,7 @@ def submit(argv: list[str]) -> int:
             raise SubmitError(f"{flag} {value}: must be at least 1.")
 
     # 1. everything preprocess checks before working, with the same messages
+    check_prefix(args.output_prefix, "--output-prefix", "fineweb", "{}_text_document.bin/.idx")
     prefix = Path(args.output_prefix).absolute()
     parser = preprocess_parser()
     parser.prog = f"{PROG} (the preprocess flags between the two `--`)"

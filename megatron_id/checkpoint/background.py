@@ -12,7 +12,10 @@ The protocol is the synchronous one (files.py, integrity.py), moved into the thr
      writes the manifest (hashing every file), commits (rename, then `latest`) and prunes.
 A kill at any moment before the commit leaves `latest` on the previous checkpoint and a staging
 folder the next run removes. The next save and the end of the run wait for the previous write
-(`BackgroundSave.wait`); an error in the thread is raised there, naming the checkpoint.
+(`BackgroundSave.wait`); an error in the thread is raised there, naming the checkpoint. A write
+that fails for want of space (the room was checked before the thread started: space.py) removes
+the staging folder at once, which tells rank 0's thread to stop waiting for the markers, and
+is raised as one line saying so (DiskFullError).
 Host memory: one copy of the model and optimizer state per rank while the write runs.
 """
 from __future__ import annotations
@@ -24,7 +27,9 @@ from pathlib import Path
 import torch
 
 from .files import commit, finish_staging, prune, write_client_state
+from ..errors import is_disk_full
 from .integrity import CheckpointError, checkpoint_files, manifest_entries, write_manifest
+from .space import checkpoint_disk_full, remove_partial
 
 MARKER = ".written-rank"
 
@@ -79,8 +84,9 @@ class BackgroundSave:
     """The writing, marking and (rank 0) committing of one staged checkpoint, in a thread."""
 
     def __init__(self, staged: Path, root: Path, files: list, client, rank: int, world: int, keep: int,
-                 timeout_s: float):
+                 timeout_s: float, needed: int | None = None):
         self.staged, self.root, self.files, self.client = Path(staged), Path(root), files, client
+        self.needed, self.removed = needed, None
         self.rank, self.world, self.keep, self.timeout_s = rank, world, keep, timeout_s
         self.error: BaseException | None = None
         self.started = time.perf_counter()
@@ -101,11 +107,17 @@ class BackgroundSave:
             self.seconds = time.perf_counter() - self.started
         except BaseException as err:   # raised in the training thread by wait()
             self.error = err
+            self.files = None
+            if is_disk_full(err):   # the partial files go now (and rank 0 stops waiting for this rank)
+                self.removed = remove_partial(self.root, self.staged)
 
     def _commit(self) -> None:
         markers = [self.staged / f"{MARKER}{r}" for r in range(self.world)]
         deadline = time.monotonic() + self.timeout_s
         while not all(m.exists() for m in markers):
+            if not self.staged.is_dir():   # another rank's write failed and removed it
+                raise CheckpointError(f"the staging folder {self.staged} was removed while rank 0 waited for the "
+                                      f"other ranks' files: another rank's write failed (its error says why)")
             if time.monotonic() > deadline:
                 missing = [r for r, m in enumerate(markers) if not m.exists()]
                 raise CheckpointError(f"ranks {missing} did not finish writing {self.staged.name} within "
@@ -122,6 +134,9 @@ class BackgroundSave:
     def wait(self) -> float:
         """Block until this save is on disk (and, on rank 0, committed); the seconds it took."""
         self.thread.join()
+        if self.error is not None and is_disk_full(self.error):
+            raise checkpoint_disk_full(self.root, self.staged.name, self.needed,
+                                       self.removed or remove_partial(self.root, self.staged)) from self.error
         if self.error is not None:
             raise CheckpointError(f"the background save of {self.staged.name} failed: {type(self.error).__name__}: "
                                   f"{self.error}. `latest` still names the previous checkpoint.") from self.error

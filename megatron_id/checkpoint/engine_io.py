@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from ..parallel.pipeline import from_model_names, pipeline_state_dict
-from . import reshard
+from ..errors import DiskFullError, is_disk_full
+from . import reshard, space
 from .files import (STAGING, ClientState, commit, describe, finish_staging, latest_folder, layout_record, prune,
                     read_client_state, staging_folder, tag_for, write_client_state)
 from .integrity import (CheckpointError, checkpoint_files, manifest_entries, mark_settled, read_manifest,
@@ -44,7 +45,10 @@ def current_layout(trainer) -> dict:
 
 def save(trainer, root, client: ClientState, background: bool = False):
     """The checkpoint of `client.step` under `root`, committed; with `background`, copied to host
-    memory and returned as a running BackgroundSave (checkpoint/background.py) instead."""
+    memory and returned as a running BackgroundSave (checkpoint/background.py) instead. Sized
+    first and refused on every rank, before any file is written, when its file system lacks the
+    room (space.py); a write that fails for want of space all the same removes the partial
+    folder and says so (DiskFullError), `latest` still on the previous checkpoint."""
     root, tag = Path(root), tag_for(client.step)
     staged = root / STAGING / tag
     rank0 = dist.get_rank() == 0
@@ -53,18 +57,35 @@ def save(trainer, root, client: ClientState, background: bool = False):
     dist.barrier()
     if background:
         return _save_in_background(trainer, root, staged, client)
-    with _weights_only_files(trainer, client.weights_only):
-        trainer.engine.save_checkpoint(str(root / STAGING), tag=tag, save_latest=False)
-    if trainer.cfg.train.reshardable_optimizer and not client.weights_only:
-        reshard.save(trainer, staged)
-    if rank0:
-        write_client_state(staged, client)
-    dist.barrier()   # every rank's files are written
-    _write_manifest(staged)
-    if rank0:
-        commit(staged, root)
-        finish_staging(root)
-        prune(root, keep=trainer.cfg.train.keep_last, current=tag)
+    try:
+        needed = space.agree_on_room(root, tag, space.measure(trainer, root, tag, client.weights_only,
+                                                              _weights_only_files))
+    except DiskFullError:
+        if rank0:
+            space.remove_partial(root, staged)
+        raise
+    except Exception as err:   # a disk so full that DeepSpeed's helper scripts did not fit
+        if not is_disk_full(err):
+            raise
+        space.remove_partial(root, staged)
+        raise space.checkpoint_disk_full(root, tag, None, "Nothing was written", before=True) from err
+    try:
+        with _weights_only_files(trainer, client.weights_only):
+            trainer.engine.save_checkpoint(str(root / STAGING), tag=tag, save_latest=False)
+        if trainer.cfg.train.reshardable_optimizer and not client.weights_only:
+            reshard.save(trainer, staged)
+        if rank0:
+            write_client_state(staged, client)
+        dist.barrier()   # every rank's files are written
+        _write_manifest(staged)
+        if rank0:
+            commit(staged, root)
+            finish_staging(root)
+            prune(root, keep=trainer.cfg.train.keep_last, current=tag)
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        raise space.checkpoint_disk_full(root, tag, needed, space.remove_partial(root, staged)) from err
     dist.barrier()
     return root / tag
 
@@ -79,13 +100,29 @@ def _save_in_background(trainer, root: Path, staged: Path, client: ClientState):
             engine.save_checkpoint(str(root / STAGING), tag=staged.name, save_latest=False)
     finally:
         engine.checkpoint_engine = original
-    if trainer.cfg.train.reshardable_optimizer and not client.weights_only:   # collectives: now, in this thread
-        reshard.save(trainer, staged)
-    dist.barrier()   # every rank's copy is taken
     rank0 = dist.get_rank() == 0
+    reshardable = trainer.cfg.train.reshardable_optimizer and not client.weights_only
+    # the host copies are what the thread writes: sized, and refused before anything is written
+    mine = sum(space.tensor_bytes(state) for _, state in host.files)
+    if rank0:
+        mine += 64 * 1024 + (space.reshardable_bytes(trainer) if reshardable else 0)   # client state, optim/
+    try:
+        needed = space.agree_on_room(root, staged.name, mine)
+    except DiskFullError:
+        if rank0:
+            space.remove_partial(root, staged)
+        raise
+    if reshardable:   # collectives: now, in this thread
+        try:
+            reshard.save(trainer, staged)
+        except Exception as err:
+            if not is_disk_full(err):
+                raise
+            raise space.checkpoint_disk_full(root, staged.name, needed, space.remove_partial(root, staged)) from err
+    dist.barrier()   # every rank's copy is taken
     return BackgroundSave(staged, root, host.files, client if rank0 else None, dist.get_rank(),
                           dist.get_world_size(), trainer.cfg.train.keep_last,
-                          timeout_s=60 * trainer.cfg.train.collective_timeout_minutes)
+                          timeout_s=60 * trainer.cfg.train.collective_timeout_minutes, needed=needed)
 
 
 @contextmanager

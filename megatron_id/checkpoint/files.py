@@ -220,6 +220,9 @@ class ClientState:
     # train_iters, eval_interval; None: written before it was recorded, or by import-hf
     data: dict | None = None
     wandb_run_id: str | None = None   # train.wandb's run: a resumed or requeued job continues it
+    # train.metrics_file when this checkpoint was saved, {"path": absolute, "bytes": its size}:
+    # a resume from it drops only the lines its own run wrote after those bytes (training/metrics.py)
+    metrics_file: dict | None = None
 
     def model_config(self) -> ModelConfig:
         """The model as saved, for readers (eval, generate, export, conversion). core_impl is

@@ -4,12 +4,17 @@ against it first (size, then sha256), and the trainer checks every file (hashed 
 parallel) before DeepSpeed loads them, so a damaged shard is refused with its name instead of
 training to NaN. `megatron-id check-checkpoint DIR` checks offline. A folder without
 manifest.json (written before manifests existed) loads unchecked, with a warning.
+
+Hugging Face exports (hf/export.py) carry the same manifest, with the sha256 of every CHUNK_BYTES
+of each file besides (`chunk_sha256`), so that a reader can check a sample of a large file's
+chunks instead of every byte (`verify_folder_files`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -17,6 +22,9 @@ from ..errors import UserError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron_id.checkpoint_manifest/1"
+CHUNK_BYTES = 1 << 22   # the chunks of `chunk_sha256` (exports): 4 MiB
+# files up to this size are hashed whole even when only a sample is asked for
+WHOLE_BELOW = 16 * CHUNK_BYTES
 
 
 class CheckpointError(UserError):
@@ -34,9 +42,28 @@ def file_digest(path: Path, block: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def manifest_entries(folder: Path, names) -> dict:
-    return {name: {"bytes": (folder / name).stat().st_size, "sha256": file_digest(folder / name)}
-            for name in names}
+def file_digests(path: Path, chunk_bytes: int) -> tuple[str, list[str]]:
+    """sha256 of a file and of each of its `chunk_bytes` chunks, in one read."""
+    whole, chunks = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            whole.update(chunk)
+            chunks.append(hashlib.sha256(chunk).hexdigest())
+    return whole.hexdigest(), chunks
+
+
+def manifest_entries(folder: Path, names, chunk_bytes: int | None = None) -> dict:
+    """{name: {"bytes", "sha256"}}; with `chunk_bytes`, also the sha256 of every chunk of that
+    many bytes ("chunk_bytes", "chunk_sha256"), for sampled checks."""
+    if chunk_bytes is None:
+        return {name: {"bytes": (folder / name).stat().st_size, "sha256": file_digest(folder / name)}
+                for name in names}
+    entries = {}
+    for name in names:
+        whole, chunks = file_digests(folder / name, chunk_bytes)
+        entries[name] = {"bytes": (folder / name).stat().st_size, "sha256": whole, "chunk_bytes": chunk_bytes,
+                         "chunk_sha256": chunks}
+    return entries
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -83,8 +110,8 @@ def mark_settled(folder: Path) -> None:
     _settled.add(_settled_key(Path(folder)))
 
 
-def warn_unverified(folder: Path) -> None:
-    print(f"warning: {folder} has no {MANIFEST} (saved before checkpoints carried one): "
+def warn_unverified(folder: Path, why: str = "saved before checkpoints carried one") -> None:
+    print(f"warning: {folder} has no {MANIFEST} ({why}): "
           f"its files are not verified", file=sys.stderr, flush=True)
 
 
@@ -135,4 +162,39 @@ def verify_checkpoint(folder: Path, names=None) -> list[str]:
     if names is None:   # the whole folder: files that no manifest vouches for are a problem too
         extra = sorted(set(checkpoint_files(folder)) - set(manifest))
         problems += [f"{folder / n} is not listed in {folder / MANIFEST}" for n in extra]
+    return problems
+
+
+def verify_folder_files(folder: Path, manifest: dict, sampled_chunks: int | None = None,
+                        rng: random.Random | None = None) -> list[str]:
+    """Problems of the files `manifest` lists in `folder`: [] when they match. Every file's size
+    is checked; then its sha256: of every byte (`sampled_chunks` None, or a file of at most
+    WHOLE_BELOW bytes or without chunk digests), else of `sampled_chunks` of its recorded chunks
+    (the first, the last and random others: a truncation, a swapped file or a damaged region
+    that the sample meets is found; a full check finds any)."""
+    folder, rng = Path(folder), rng or random.Random()
+    problems = []
+    for name in sorted(manifest):
+        entry, path = manifest[name], folder / name
+        if not path.is_file():
+            problems.append(f"{path} is missing (listed in {folder / MANIFEST})")
+            continue
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"{path} is damaged (it has {size:,} bytes, {MANIFEST} says {entry['bytes']:,})")
+            continue
+        chunks, chunk_bytes = entry.get("chunk_sha256"), entry.get("chunk_bytes")
+        if sampled_chunks is None or not chunks or not chunk_bytes or size <= WHOLE_BELOW:
+            if file_digest(path) != entry["sha256"]:
+                problems.append(f"{path} is damaged (its sha256 differs from {MANIFEST}'s)")
+            continue
+        picks = sorted({0, len(chunks) - 1, *rng.sample(range(len(chunks)), min(sampled_chunks, len(chunks)) - 2)})
+        with open(path, "rb") as f:
+            for index in picks:
+                f.seek(index * chunk_bytes)
+                if hashlib.sha256(f.read(chunk_bytes)).hexdigest() != chunks[index]:
+                    start = index * chunk_bytes
+                    problems.append(f"{path} is damaged (bytes {start:,}-{min(start + chunk_bytes, size) - 1:,} "
+                                    f"differ from {MANIFEST}'s sha256 of them)")
+                    break
     return problems

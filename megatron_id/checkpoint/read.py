@@ -45,8 +45,23 @@ def checkpoint_folder(path, also_export: bool = False) -> Path:
         return folder
     if (path / CLIENT_STATE).is_file():
         return path
-    raise CheckpointNotFoundError(f"{path} is not a training checkpoint: it has neither `latest` (a train.save "
-                                  f"folder) nor {CLIENT_STATE} (an iter_XXXXXXX folder). Give {accepted}.")
+    names = sorted(p.name for p in path.iterdir())
+    iters = [n for n in names if n.startswith("iter_") and (path / n / CLIENT_STATE).is_file()]
+    below = [p for p in sorted(path.iterdir()) if p.is_dir() and ((p / "latest").is_file() or (p / CLIENT_STATE).is_file()
+                                                                 or (also_export and (p / "config.json").is_file()))]
+    if not names:
+        why = "it is empty: no checkpoint was saved there"
+    elif set(names) <= {".lock", ".incomplete", ".latest.tmp"}:
+        why = (f"it holds no checkpoint yet (only {', '.join(names)}: a run saves there, train.save, but none "
+               f"was committed)")
+    elif iters:
+        why = f"it has iter_ folders but no `latest`: give one of them, e.g. {path / iters[-1]}"
+    elif below:
+        why = f"it has neither `latest` nor {CLIENT_STATE}, but its subfolder {below[0]} is one: give that"
+    else:
+        why = (f"it has neither `latest` (a train.save folder) nor {CLIENT_STATE} (an iter_XXXXXXX folder)"
+               + (", nor config.json (an export)" if also_export else ""))
+    raise CheckpointNotFoundError(f"{path} is not a training checkpoint: {why}. Give {accepted}.")
 
 
 def read_checkpoint(path, also_export: bool = False):

@@ -86,7 +86,11 @@ class SaveLock:
                + (f", SLURM job {os.environ['SLURM_JOB_ID']}" if "SLURM_JOB_ID" in os.environ else "")
                + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         os.ftruncate(self._fd, 0)
-        os.write(self._fd, (who + "\n").encode())
+        try:
+            os.write(self._fd, (who + "\n").encode())
+        except OSError as err:   # (a full disk: named with the file, before any work)
+            self.release()
+            raise OSError(err.errno, err.strerror, str(self.path)) from None
 
     def release(self) -> None:
         """Drop the lock. A folder this run created and never wrote a checkpoint into (a run

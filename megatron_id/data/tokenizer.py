@@ -96,12 +96,25 @@ def check_same_tokenizer(first: tuple, second: tuple, fix: str, allow: bool = Fa
         return False
     if id_a == id_b:
         return True
-    message = (f"{what_a} was made with {describe_identity(id_a, path_a)} but {what_b} with "
-               f"{describe_identity(id_b, path_b)}: their token ids mean different tokens. {fix}")
+    if path_a and path_b and _same_file(path_a, path_b):   # one path, another content: the file was replaced
+        message = (f"the tokenizer file {path_b} changed since {what_a} recorded it (replaced or edited at the "
+                   f"same path): {what_a} was made with tokenizer {id_a} but the tokenizer file now holds tokenizer "
+                   f"{id_b}; their token ids mean different tokens. Restore the original file (or point to a copy of "
+                   f"it). {fix}")
+    else:
+        message = (f"{what_a} was made with {describe_identity(id_a, path_a)} but {what_b} with "
+                   f"{describe_identity(id_b, path_b)}: their token ids mean different tokens. {fix}")
     if not allow:
         raise TokenizerMismatchError(message)
     (warn or (lambda m: print(f"warning: {m}", file=sys.stderr)))(message + " (mixed on purpose: allowed)")
     return False
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
 def tokenizer_file(path) -> Path | None:
@@ -207,13 +220,15 @@ def find_tokenizer(given, recorded, source: Path) -> Path:
 
 
 def check_tokenizer_for_model(tokenizer, tokenizer_path, model_vocab: int, recorded: str | None, source,
-                              allow: bool = False) -> str:
+                              allow: bool = False, recorded_path=None) -> str:
     """A tokenizer about to be used with a trained model (generate, eval, export): it is the one
     the model was trained with (`recorded`: the identity its checkpoint or export records;
     None for older ones) and no id of it falls outside the model's embedding table. Returns
     the tokenizer's identity. Raises TokenizerMismatchError naming both and the fix."""
     own = tokenizer_identity(tokenizer)
-    check_same_tokenizer((f"the model of {source}", recorded, None), (f"the tokenizer {tokenizer_path}", own, None),
+    same = recorded_path is not None and _same_file(recorded_path, tokenizer_path)   # (path named only then)
+    check_same_tokenizer((f"the model of {source}", recorded, recorded_path if same else None),
+                         (f"the tokenizer {tokenizer_path}", own, tokenizer_path if same else None),
                          "Pass the tokenizer the model was trained with (--tokenizer), or "
                          f"{MISMATCH_FLAG} to use this one on purpose.", allow=allow)
     size = tokenizer.get_vocab_size(with_added_tokens=True)

@@ -430,6 +430,8 @@ def prepare_out(folder: Path, overwrite: bool) -> None:
             raise EvalError(f"--out {folder} holds files that are not an earlier eval's results "
                             f"({', '.join(sorted(foreign or present)[:4])}): --overwrite replaces only those; "
                             f"give another folder.")
+    from ..errors import check_writable   # before any checkpoint is scored, not after
+    check_writable(folder, "--out")
 
 
 def _atomic(path: Path, write) -> None:
@@ -588,10 +590,27 @@ def check_args(args) -> None:
         raise EvalError(str(error)) from None
 
 
+def check_sources(args) -> None:
+    """Every --checkpoint is found (and, for mqar, is a training checkpoint) before any is scored."""
+    from ..checkpoint.read import checkpoint_folder
+    from ..hf.export import read_export_config
+    for source in args.checkpoint:
+        export = (Path(source) / "config.json").is_file()
+        if export and args.evaluation == "mqar":   # an export records no data settings
+            raise EvalError(f"--checkpoint {source} is a Hugging Face export: `eval mqar` needs the training "
+                            f"checkpoint (the train.save folder of a run with data.source=mqar, or one of its iter_ "
+                            f"folders), whose record holds the task's settings and seed; an export does not keep them.")
+        if export:
+            read_export_config(source)
+        else:
+            checkpoint_folder(source, also_export=args.evaluation != "mqar")
+
+
 def command(args) -> int:
     if args.evaluation == "lm-eval-tasks":
         return tasks_command(args)
     check_args(args)
+    check_sources(args)
     if args.out is not None:
         prepare_out(args.out, args.overwrite)
     from ..data.tokenizer import token_bytes

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -29,9 +30,12 @@ import torch
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config import ffn_hidden_size
-from ..errors import BadOptionError, OutputExistsError, UserError, refuse_output_inside
+from ..errors import (BadOptionError, OutputExistsError, UserError, check_writable, disk_full_error, free_bytes,
+                      human_bytes, is_disk_full, refuse_output_inside)
 from ..checkpoint.files import (CLIENT_STATE, ClientState, model_config_dict, model_config_from_dict,
                                 read_client_state, save_safetensors, tag_for)
+from ..checkpoint.integrity import (CHUNK_BYTES, MANIFEST, checkpoint_files, manifest_entries, read_manifest,
+                                    verify_folder_files, warn_unverified, write_manifest)
 from ..checkpoint.read import ModelState, checkpoint_folder, write_weights_only
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
@@ -42,7 +46,12 @@ HERE = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megatron_id.py", "modeling_megatron_id.py")
 # every file export_hf writes: a folder holding nothing else is an earlier export
 EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                          "tokenizer_config.json", "megatron_id_model.py", *CODE_FILES})
+                          "tokenizer_config.json", "megatron_id_model.py", MANIFEST, *CODE_FILES})
+# how an export's files are checked against its manifest.json when read (--verify): "sample" the
+# sizes of every file, small files whole and VERIFY_SAMPLED_CHUNKS chunks of each large one;
+# "full" every byte
+VERIFY_MODES = ("sample", "full")
+VERIFY_SAMPLED_CHUNKS = 16
 IMPORT_TAG = tag_for(0)   # import_hf writes step 0 only
 
 
@@ -81,8 +90,30 @@ def read_export_config(folder):
     return config, cfg
 
 
-def read_hf_folder(folder):
-    """An exported folder -> (its config.json, ModelConfig, TP=1 weights with training names)."""
+def verify_export(folder, verify: str = "sample") -> None:
+    """An export's files against the manifest.json written with them (size, then sha256: of
+    sampled chunks of large files with "sample", of every byte with "full"). An export written
+    before exports carried a manifest loads with a warning, as such checkpoints do."""
+    folder = Path(folder)
+    if verify not in VERIFY_MODES:
+        raise BadOptionError(f"--verify {verify}: one of {', '.join(VERIFY_MODES)}.")
+    fix = "Export the checkpoint again with megatron-id export-hf, or restore the file"
+    try:
+        manifest = read_manifest(folder)
+    except UserError:
+        raise NotAnExportError(f"{folder / MANIFEST} is damaged: the export cannot be verified. {fix}.") from None
+    if manifest is None:
+        warn_unverified(folder, "exported before exports carried one")
+        return
+    problems = verify_folder_files(folder, manifest, sampled_chunks=None if verify == "full" else VERIFY_SAMPLED_CHUNKS)
+    if problems:
+        more = f" ({len(problems) - 1} more damaged: {'; '.join(problems[1:3])})" if len(problems) > 1 else ""
+        raise NotAnExportError(f"{problems[0]}: it was truncated or overwritten. {fix}{more}.")
+
+
+def read_hf_folder(folder, verify: str = "sample"):
+    """An exported folder -> (its config.json, ModelConfig, TP=1 weights with training names),
+    its files checked against its manifest first (verify_export)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     folder = Path(folder)
@@ -91,6 +122,7 @@ def read_hf_folder(folder):
     fix = "Export the checkpoint again with megatron-id export-hf."
     if not path.is_file():
         raise NotAnExportError(f"{path} is missing: {folder} is not a complete export. {fix}")
+    verify_export(folder, verify)
     try:
         weights = {k.removeprefix("model."): v for k, v in load_file(str(path)).items()}
     except SafetensorError as err:
@@ -190,23 +222,90 @@ def check_output(output: Path, overwrite: bool, what: str, why_not_ours) -> None
                                 f"--overwrite to replace it, or choose a new or empty folder.")
 
 
+def _host() -> str:
+    import socket
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
 def _sibling(output: Path, role: str) -> Path:
-    """An unused hidden name beside `output` (same file system, so renames are atomic)."""
-    return output.parent / f".{output.name}.{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """An unused hidden name beside `output` (same file system, so renames are atomic); the host
+    and pid tell a stale one (its process gone) from a live one on a shared file system."""
+    return output.parent / f".{output.name}.{role}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def write_folder(output: Path, build) -> Path:
+# (names written before the host was part of them have none)
+_SIBLING = re.compile(r"^\.(?P<name>.+)\.(?P<role>partial|old)-(?:(?P<host>[A-Za-z0-9_.]+)-)?(?P<pid>\d+)-"
+                      r"[0-9a-f]{8}$")
+
+
+def remove_stale_partials(output: Path) -> list[Path]:
+    """The staging folders (`.NAME.partial-HOST-PID-*`) that killed exports or imports into
+    `output` left beside it, whose process is gone (this host's only: another host's process
+    cannot be seen from here), are removed, each with a note; a live one (another export running
+    now) is left alone. A set-aside old output
+    (`.NAME.old-PID-*`, left by a kill between the two renames of an --overwrite) is the user's
+    data: it is named, never removed. Returns what was removed."""
+    from ..data.indexed_dataset import _pid_alive
+    output = Path(output)
+    if not output.parent.is_dir():
+        return []
+    removed = []
+    for entry in sorted(output.parent.iterdir()):
+        match = _SIBLING.match(entry.name)
+        if not match or match["name"] != output.name or not entry.is_dir() or entry.is_symlink():
+            continue
+        pid = int(match["pid"])
+        if (match["host"] or _host()) != _host() or pid == os.getpid() or _pid_alive(pid):
+            continue   # another host's (its process cannot be seen from here), or a live one
+        if match["role"] == "old":
+            print(f"note: {entry} is an earlier {output.name} set aside by an interrupted --overwrite (process "
+                  f"{pid} is gone): it is left as it is; delete it, or rename it back if {output} is missing.",
+                  file=sys.stderr)
+            continue
+        size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(entry, ignore_errors=True)
+        print(f"note: removed {entry} ({human_bytes(size, exact=False)}), the staging folder of an interrupted write into "
+              f"{output} (process {pid} is gone)", file=sys.stderr)
+        removed.append(entry)
+    return removed
+
+
+def check_room(output: Path, needed: int, what: str) -> None:
+    """Refuse, before anything is written, an output whose file system has less free space than
+    the new folder needs (an --overwrite keeps the old one until the new one is in place)."""
+    free = free_bytes(output.parent if not output.exists() else output)
+    if free is not None and needed > free:
+        raise disk_full_error(what, output, needed, "Nothing was written.",
+                              "Free space there or choose another --output.")
+
+
+def write_folder(output: Path, build, needed: int | None = None, what: str = "the new folder") -> Path:
     """`build(staging)` fills a new folder beside `output`; then it takes the place of `output`
     (absent, empty, or an earlier output the caller agreed to replace): the old folder is
     renamed aside, the new one renamed in, and only then the old one deleted. An error at any
     point leaves `output` as it was and removes the staging folder. (A kill between the two
-    renames leaves the old output complete under its `.old-` name beside `output`.)"""
+    renames leaves the old output complete under its `.old-` name beside `output`.) Staging
+    folders of killed writes into `output` are removed first (remove_stale_partials). `needed`
+    (bytes, about): refused before writing when the file system has less free; a write that
+    fails for want of space says so with that figure (DiskFullError)."""
+    check_writable(output.parent if output.exists() else output, "--output")   # read-only: named as such
     output.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(output)
+    if needed is not None:
+        check_room(output, needed, what)
     staging = _sibling(output, "partial")
     staging.mkdir()   # mode from the umask, as any folder the user creates
     aside = None
     try:
-        build(staging)
+        try:
+            build(staging)
+        except Exception as err:
+            if not is_disk_full(err):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            raise disk_full_error(what, output, needed, f"The partial folder {staging.name} was removed"
+                                  f"{' and ' + str(output) + ' left as it was' if output.exists() else ''}.",
+                                  "Free space there or choose another --output.", show_free=False) from err
         if output.exists():
             aside = _sibling(output, "old")
             os.replace(output, aside)
@@ -261,7 +360,8 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
     # the tokenizer shipped with the weights is theirs, and none of its ids is beyond the
     # embedding table (else every transformers user fails on the first such id)
     tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(tokenizer)), tokenizer, cfg.vocab_size,
-                                             client.tokenizer_id, folder, allow=allow_tokenizer_mismatch)
+                                             client.tokenizer_id, folder, allow=allow_tokenizer_mismatch,
+                                             recorded_path=client.tokenizer)
     # memory-mapped, merged over TP one tensor at a time as the file is written: the export
     # never holds the model (benchmarks/checkpoint_memory.py)
     weights = ModelState(folder, cfg, client.layout)
@@ -302,8 +402,18 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
              # left padding runs each row as if alone (the model's forward); right padding
              # scores correctly too but leaves no cache to generate from
              "padding_side": "left"}, indent=2) + "\n")
+        # last: the size and sha256 of every file (and of each 4 MiB chunk, for sampled checks),
+        # verified by generate, serve, eval and import-hf before they use the weights
+        write_manifest(staging, manifest_entries(staging, checkpoint_files(staging), chunk_bytes=CHUNK_BYTES))
 
-    return write_folder(output, build)
+    # the weights plus the tokenizer, the bundled code and the small files (under 1 MiB)
+    needed = sum(_nbytes(*weights.spec(k)) for k in weights.names) + tokenizer.stat().st_size + (1 << 20)
+    return write_folder(output, build, needed, f"the export of {folder}")
+
+
+def _nbytes(dtype, shape) -> int:
+    import math
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
 
 
 def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
@@ -324,7 +434,7 @@ def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
 
 
 def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-              overwrite: bool = False, allow_tokenizer_mismatch: bool = False) -> Path:
+              overwrite: bool = False, allow_tokenizer_mismatch: bool = False, verify: str = "sample") -> Path:
     """An exported folder -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP (see
     the module doc for when an existing `output` is replaced). Every check runs before anything
     is written."""
@@ -341,8 +451,8 @@ def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int =
     recorded = json.loads((folder / "config.json").read_text()).get(TOKENIZER_ID_KEY)
     tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(find_tokenizer(None, str(tokenizer), folder))),
                                              tokenizer, cfg.vocab_size, recorded, folder,
-                                             allow=allow_tokenizer_mismatch)
-    _, cfg, full = read_hf_folder(folder)
+                                             allow=allow_tokenizer_mismatch, recorded_path=tokenizer)
+    _, cfg, full = read_hf_folder(folder, verify)
     shards = split_state_dict(full, cfg, tensor_parallel)
     layout = {"tensor": tensor_parallel, "pipe": pipeline_parallel, "data": 1, "zero_stage": 0}
     client = ClientState(step=0, layout=layout, model=model_config_dict(cfg), weights_only=True,
@@ -351,4 +461,5 @@ def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int =
     def build(staging: Path) -> None:
         write_weights_only(staging, shards, cfg, pipeline_parallel, client)
 
-    return write_folder(output, build)
+    needed = sum(t.numel() * t.element_size() for shard in shards for t in shard.values()) + (1 << 20)
+    return write_folder(output, build, needed, f"the import of {folder}")

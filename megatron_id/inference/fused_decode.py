@@ -48,6 +48,79 @@ class FusedDecodeError(UserError, ValueError):
     """A model or a request the fused step cannot take (the message says what to do)."""
 
 
+def kv_cache_bytes(model, slots: int, capacity: int) -> tuple[int, int]:
+    """(bytes, softmax layers) of the KV caches FusedDecoder allocates for `slots` sequences of
+    up to `capacity` tokens: K and V per softmax layer, of the window's length for sliding-window
+    layers (their size does not grow with `capacity`). Fixed-state layers: none."""
+    total, layers = 0, 0
+    for block in model.layers:
+        mixer = block.mixer
+        if not isinstance(mixer, SoftmaxAttention):
+            continue
+        weight = mixer.o_proj.weight
+        heads = weight.shape[1] // mixer.head_dim
+        length = mixer.window if mixer.window is not None else capacity
+        total += 2 * slots * heads * length * mixer.head_dim * weight.element_size()
+        layers += 1
+    return total, layers
+
+
+def available_memory(device) -> tuple[int | None, str]:
+    """(bytes free for new tensors, what they are) on `device`: the GPU's free memory, or the
+    host's MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free on {device}"
+    from ..training.agreement import available_host_memory
+    return available_host_memory(), "of host memory available"
+
+
+# the share of the free memory a KV pool may take (the prefill's activations and logits need the rest)
+KV_MEMORY_SHARE = 0.8
+
+
+def slot_bytes(model) -> int:
+    """Bytes per slot that do not depend on the context: the recurrent state of every
+    interdomain / S4D-only layer (float32 real numbers) and a row of float32 logits."""
+    from ..model.accounting import report
+    counts = report(model.cfg)
+    fixed_layers = sum(not isinstance(block.mixer, SoftmaxAttention) for block in model.layers)
+    return 4 * (fixed_layers * (counts.state_per_token_per_layer or 0) + model.lm_head.weight.shape[0])
+
+
+def check_kv_pool(model, slots: int, capacity: int, device, options: str, fix: str) -> None:
+    """Refuse, before allocating, a decode pool (the KV caches of softmax layers, the recurrent
+    states, the logits of a step) larger than KV_MEMORY_SHARE of the memory available on
+    `device`: on a CPU torch hands out the pages lazily and the out-of-memory killer ends the
+    process later, without a word. `options` names what sized it, `fix` what to lower."""
+    kv, layers = kv_cache_bytes(model, slots, capacity)
+    per_slot = slot_bytes(model)
+    need = kv + slots * per_slot
+    free, where = available_memory(device)
+    if free is None or need <= KV_MEMORY_SHARE * free:
+        return
+    budget = KV_MEMORY_SHARE * free
+    per_token = kv_cache_bytes(model, 1, 2)[0] - kv_cache_bytes(model, 1, 1)[0]   # grows with the context
+    fixed = kv_cache_bytes(model, 1, 0)[0] + per_slot                              # per slot, any context
+    tokens = int((budget - slots * fixed) // (per_token * slots)) if per_token else 0
+    fitting_slots = int(budget // (fixed + per_token * capacity)) if fixed + per_token * capacity else 0
+    if per_token and tokens >= 2:
+        hint = f" (at most {tokens:,} tokens fit with {slots} slot(s))"
+    elif fitting_slots >= 1:
+        hint = f" (at most {fitting_slots:,} slot(s) fit)"
+    else:
+        hint = ""
+    rest = slots * per_slot
+    what = (f"the KV cache of the model's {layers} softmax layer(s) would take {kv / 2**30:,.1f} GiB ({kv:,} bytes, "
+            f"allocated at start)" + (f" and the recurrent states and logits {rest / 2**30:,.1f} GiB more"
+                                      if rest >= 0.05 * 2**30 else "")
+            if kv else f"the recurrent states and logits of {slots:,} slot(s) would take {need / 2**30:,.1f} GiB "
+                       f"({need:,} bytes, allocated at start)")
+    raise FusedDecodeError(f"{options}: {what}, more than {KV_MEMORY_SHARE:.0%} of the {free / 2**30:,.1f} GiB "
+                           f"{where}. {fix}{hint}.")
+
+
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The recurrent state's real dtype: float64 for float64 models (the tests), float32 otherwise
     (as the model's complex64 state for bf16/fp16/fp32)."""
@@ -329,6 +402,10 @@ class FusedDecoder:
             raise FusedDecodeError(f"{why}: decode this model with the model's own step (decode='eager').")
         self.slots, self.capacity = slots, capacity
         device = model.lm_head.weight.device
+        if capacity is not None:   # before allocating (serve names its own options earlier)
+            check_kv_pool(model, slots, capacity, device, f"{slots} sequence(s) of up to {capacity:,} tokens (prompt "
+                          f"+ new tokens)", "Ask for fewer tokens (--max-new-tokens) or fewer sequences at once "
+                          "(--batch-size)")
         self.layers = [_SoftmaxLayer(block, slots, capacity) if isinstance(block.mixer, SoftmaxAttention)
                        else _InterdomainLayer(block, slots, real_update=compile) for block in model.layers]
         self.block = torch.compile(fixed_state_block, dynamic=False) if compile else fixed_state_block

@@ -193,8 +193,9 @@ class Engine:
             print(f"megatron-id serve: the engine stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
-def error_response(web, status: int, message: str, param=None, kind="invalid_request_error", headers=None):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_response(web, status: int, message: str, param=None, kind="invalid_request_error", headers=None,
+                   code=None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -211,6 +212,11 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, dr
             body = await http.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error_response(web, 400, f"the body is not JSON: {e}")
+        asked = body.get("model") if isinstance(body, dict) else None
+        if asked is not None and asked != model_name:   # as OpenAI-style servers do: never another model silently
+            return error_response(web, 404, f"The model `{asked}` does not exist: this server serves `{model_name}` "
+                                            f"(GET /v1/models; megatron-id serve --served-model-name)", "model",
+                                  code="model_not_found")
         try:
             request, stream, prompt = parse_completion(body, tokenizer, max_model_len)
             ticket, out = engine.submit(request, asyncio.get_running_loop())
@@ -291,6 +297,35 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, dr
     return app
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """--host and --port are tried (a socket bound and closed) before the model is loaded: an
+    address that is not one of this machine's, a name that does not resolve or a port in use is
+    named with its flag, not found after minutes of loading as an OSError without one."""
+    import errno
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        raise BadOptionError(f"--host {host}: not an address or a host name that resolves ({err}): give an address "
+                             f"of this machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface).") from None
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as aiohttp binds
+            probe.bind(address)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise BadOptionError(f"--port {port}: already in use on {host} (another server?): stop it or choose "
+                                 f"another --port.") from None
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise BadOptionError(f"--host {host}: not an address of this machine: give one of its addresses, e.g. "
+                                 f"127.0.0.1 (this machine only) or 0.0.0.0 (every interface).") from None
+        if err.errno == errno.EACCES:
+            raise BadOptionError(f"--port {port}: permission denied (ports below 1024 need privileges): choose a "
+                                 f"port from 1024 up, e.g. 8000.") from None
+        raise BadOptionError(f"--host {host} --port {port}: cannot listen there ({err.strerror or err}).") from None
+
+
 def serve(args) -> int:
     """The body of `megatron-id serve` (options checked by the CLI before this loads the model)."""
     try:
@@ -299,9 +334,10 @@ def serve(args) -> int:
         raise BadOptionError("megatron-id serve needs aiohttp: pip install 'megatron_id[serve]'.") from None
     import torch
     from ..generation import load_trained, resolve_device
-    from .fused_decode import fused_decode_refusal
+    from .fused_decode import check_kv_pool, fused_decode_refusal
     device = resolve_device(args.device)
-    trained = load_trained(args.checkpoint, args.tokenizer, args.allow_tokenizer_mismatch)
+    check_listen_address(args.host, args.port)   # before the model is loaded
+    trained = load_trained(args.checkpoint, args.tokenizer, args.allow_tokenizer_mismatch, args.verify)
     model = trained.model
     why = fused_decode_refusal(model)
     if why:
@@ -311,6 +347,9 @@ def serve(args) -> int:
         torch.set_num_threads(args.threads)
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     max_model_len = args.max_model_len or trained.cfg.seq_length
+    check_kv_pool(model, args.slots, max_model_len, device,
+                  f"--max-model-len {max_model_len:,}{'' if args.max_model_len else ' (the seq_length of the model)'} x "
+                  f"--slots {args.slots:,}", "Lower --max-model-len or --slots")
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
                                 prefill_chunk_size=args.prefill_chunk_size)
     engine = Engine(batcher, args.max_pending or 4 * args.slots, trained.eod)

@@ -95,6 +95,8 @@ def init_distributed_from_env(timeout_minutes: float = 10.0) -> None:
     os.environ.update(environment_from_slurm(dict(os.environ)))
     if "TORCHELASTIC_RUN_ID" in os.environ:   # started by torchrun: stop with it (see above)
         die_with_launcher(os.getppid())
+    elif os.environ.get("MEGATRON_ID_LAUNCHER_PID", "").isdigit():   # by megatron-id train --nproc
+        die_with_launcher(int(os.environ["MEGATRON_ID_LAUNCHER_PID"]))
     if "RANK" not in os.environ:   # plain `python`: a one-process group on a free local port
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -64,7 +65,7 @@ from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, i
                           local_device_index, skip_deepspeed_shm_build, uses_cuda)
 from .compilation import check_compile_toolchain, compile_engine
 from .layout import deepspeed_config, training_layout
-from .metrics import Metrics, check_wandb
+from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
 from .profiling import ProfileWindow, StepTimer
 from .plan import run_estimate_gib
 from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
@@ -89,10 +90,119 @@ def check_export_at_end(cfg: Config) -> None:
                           f"checkpoints go: choose a folder outside it, e.g. {save.parent / 'hf'}.")
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"train.export_hf_at_end={out} is a file: give the path of a new or empty folder.")
+    # the export is written beside the folder and renamed into place: its parent must take new entries
+    found = folder.parent
+    while not found.exists() and found != found.parent:
+        found = found.parent
+    if not found.is_dir():
+        raise ConfigError(f"train.export_hf_at_end={out}: {found} is a file, not a folder: give a folder path "
+                          f"whose parents are folders.")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.export_hf_at_end={out}: {found} is not writable, so the export at the end "
+                          f"would fail after the whole run: check its permissions or choose another folder.")
     reason = why_not_an_export(folder) if folder.is_dir() and any(folder.iterdir()) else None
     if reason is not None:
         raise ConfigError(f"train.export_hf_at_end={out} is not empty and is not an earlier export ({reason}): the "
                           f"export at the end replaces only an earlier export. Choose a new or empty folder.")
+
+
+def index_cache_dir(cfg: Config) -> Path:
+    d = cfg.data
+    return Path(d.index_cache_dir) if d.index_cache_dir else default_cache_dir(d.data_path)
+
+
+def check_run(cfg: Config, layout, on_gpu: bool):
+    """What train checks before any work (rank 0, before DeepSpeed starts; `megatron-id
+    job-prepare` runs the same): the data, the tokenizers, the host's memory, wandb, the metrics
+    file, the export at the end, the compiler, the train.save / train.load rules and the
+    checkpoint resumed from. Returns (the checkpoint root to resume from or None, a note to print
+    or None, the run's tokenizer (RunTokenizer), the step of that checkpoint or None)."""
+    t, d, m = cfg.train, cfg.data, cfg.model
+    if d.source == DataSource.mqar:   # generated: no files, no tokenizer
+        check_mqar_run(cfg, layout)
+        tokenizer = RunTokenizer(None, None, None)
+    else:
+        if not d.data_path:
+            raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
+                              "(data.data_path=[data/my_corpus_text_document]).")
+        # ids < vocab (a scan of data without sidecar remembered in the cache), dtype, splits, checksums
+        cache = index_cache_dir(cfg)
+        check_data(d.data_path, d.split, m.seq_length, m.vocab_size, cache, d.verify)
+        for name, path in d.valid_sets.items():   # held-out sets: present, long enough, ids in the vocabulary
+            check_valid_set(name, path, m.seq_length, m.vocab_size, cache, d.verify)
+        tokenizer = run_tokenizer(cfg)   # the blend, data.tokenizer and model.vocab_size agree
+    if not on_gpu:   # the OOM killer ends a CPU run over the host's memory without a word
+        check_host_memory(cfg, layout, run_estimate_gib(cfg, layout, on_gpu=False))
+    DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
+    check_wandb(cfg)
+    check_metrics_file(t.metrics_file)
+    check_export_at_end(cfg)
+    if t.compile:   # inductor's compiler, before the first step would find it missing
+        check_compile_toolchain("cuda" if on_gpu else "cpu")
+    resume, note = check_save_and_load(t.save, t.load)
+    step = None
+    if resume is not None:
+        folder = latest_folder(resume)
+        check_resume_model(folder, cfg)
+        check_resume_batch(folder, layout.global_batch_size)
+        check_resume_tokenizer(folder, tokenizer, d.allow_tokenizer_mismatch)
+        step = step_of(folder.name)
+    return resume, note, tokenizer, step
+
+
+def run_warnings(cfg: Config, layout, world_size: int) -> list[str]:
+    """Settings that would be ignored, in whole or in part, without a word: one line each,
+    printed before any work (train on rank 0, job-prepare)."""
+    from ..data.gpt_dataset import parse_split
+    from .optim import wsd_decay_steps
+    o, t, d = cfg.optimizer, cfg.train, cfg.data
+    given = getattr(cfg, "given_keys", None) or frozenset()
+    iters, out = layout.train_iters, []
+    if o.schedule.value != "wsd":
+        for key in ("decay_fraction", "decay_shape"):
+            if f"optimizer.{key}" in given:
+                out.append(f"optimizer.{key}={getattr(o, key)} applies to optimizer.schedule=wsd only; this run's "
+                           f"schedule is {o.schedule.value}, which it does not change: set optimizer.schedule=wsd "
+                           f"or remove optimizer.{key}.")
+    elif o.decay_fraction * iters < 1:
+        out.append(f"optimizer.decay_fraction={o.decay_fraction} of this run's {iters:,} steps is "
+                   f"{o.decay_fraction * iters:.2g} of a step: the wsd decay takes the last "
+                   f"{wsd_decay_steps(o.decay_fraction, iters)} step, from optimizer.lr to optimizer.min_lr at once.")
+    if o.schedule.value == "constant" and "optimizer.min_lr" in given:
+        out.append(f"optimizer.min_lr={o.min_lr} is where a decay ends, and optimizer.schedule=constant has none: "
+                   f"the rate stays at optimizer.lr={o.lr}; remove optimizer.min_lr or choose a decaying schedule.")
+    if o.warmup_tokens >= t.train_tokens and o.schedule.value != "constant":
+        out.append(f"optimizer.warmup_tokens={o.warmup_tokens:,} is not below train.train_tokens={t.train_tokens:,}: "
+                   f"the warmup never ends, so the learning rate only rises and never decays; lower "
+                   f"optimizer.warmup_tokens.")
+    p = t.profile
+    if p.dir:
+        last = p.start_step + p.steps - 1
+        if p.start_step > iters:
+            out.append(f"train.profile.start_step={p.start_step} is after this run's last step ({iters:,}): "
+                       f"nothing will be profiled; choose a start_step from 1 to {iters:,}.")
+        elif last > iters:
+            out.append(f"train.profile window steps {p.start_step}-{last} ends after this run's last step "
+                       f"({iters:,}): only steps {p.start_step}-{iters} will be traced.")
+        missing = [r for r in p.ranks if not 0 <= r < world_size]
+        if missing:
+            rest = [r for r in p.ranks if 0 <= r < world_size]
+            has = "rank 0 only" if world_size == 1 else f"ranks 0-{world_size - 1}"
+            out.append(f"train.profile.ranks={list(p.ranks)}: this run has {has}, so "
+                       f"{', '.join(map(str, missing))} will not trace"
+                       f"{'' if rest else ' and nothing will be profiled'}; give ranks below {world_size}.")
+    if d.source == DataSource.gpt and t.eval_iters > 0:
+        try:
+            no_valid = parse_split(d.split)[1] == 0
+        except UserError:   # refused by the data checks, with its own message
+            no_valid = False
+        if no_valid:
+            what = (f"only data.valid_sets ({', '.join(d.valid_sets)}) will be validated" if d.valid_sets else
+                    "no validation will run")
+            out.append(f"data.split={d.split} leaves no validation documents, so {what} although "
+                       f"train.eval_iters={t.eval_iters}: give the split a validation share (e.g. data.split=95,5,0)"
+                       f"{'' if d.valid_sets else ', add data.valid_sets,'} or set train.eval_iters=0.")
+    return out
 
 
 class NonFiniteTrainingError(UserError, RuntimeError):
@@ -102,7 +212,11 @@ class NonFiniteTrainingError(UserError, RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, skip_finished: bool = False):
+        """skip_finished (megatron-id train sets it): when train.load holds the run's last step
+        (a rerun of a finished run), build nothing; train() then only says so (and exports into a
+        folder without an export). Otherwise such a checkpoint is built and loaded as any other
+        (to evaluate it, say), and train() says the same."""
         import deepspeed
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed first (torchrun, srun or "
@@ -115,7 +229,10 @@ class Trainer:
         self.save_lock = None
         # data, tokenizers and folders, on rank 0; every rank learns where to resume from and
         # the tokenizer identity its checkpoints record
-        self.resume_from, self.tokenizer_id = agree_on_rank0(self._preflight)
+        self.resume_from, self.tokenizer_id, self.finished_at = agree_on_rank0(self._preflight)
+        if self.finished_at is not None and skip_finished:   # a rerun of a finished run: nothing to build
+            self.step, self.stop_signal, self.stop_requested, self.pending_save = self.finished_at, 0, False, None
+            return
         try:
             self._build()
         except BaseException:
@@ -185,42 +302,22 @@ class Trainer:
 
     def _preflight(self) -> tuple[str | None, str | None]:
         """Rank 0, before DeepSpeed starts: the checks that read files (data, tokenizers,
-        checkpoint folders) and the lock on train.save. Returns the checkpoint root to resume
-        from and the identity of the data's tokenizer (training/agreement.py)."""
-        t, d, m = self.cfg.train, self.cfg.data, self.cfg.model
-        if d.source == DataSource.mqar:   # generated: no files, no tokenizer
-            check_mqar_run(self.cfg, self.layout)
-            tokenizer = RunTokenizer(None, None, None)
-        else:
-            if not d.data_path:
-                raise ConfigError("data.data_path is empty: give a preprocessed dataset prefix "
-                                  "(data.data_path=[data/my_corpus_text_document]).")
-            # ids < vocab (a scan of data without sidecar remembered in the cache), dtype, splits, checksums
-            cache = self._index_cache()
-            check_data(d.data_path, d.split, m.seq_length, m.vocab_size, cache, d.verify)
-            for name, path in d.valid_sets.items():   # held-out sets: present, long enough, ids in the vocabulary
-                check_valid_set(name, path, m.seq_length, m.vocab_size, cache, d.verify)
-            tokenizer = run_tokenizer(self.cfg)   # the blend, data.tokenizer and model.vocab_size agree
-        if not uses_cuda():   # the OOM killer ends a CPU run over the host's memory without a word
-            check_host_memory(self.cfg, self.layout, run_estimate_gib(self.cfg, self.layout, on_gpu=False))
-        DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
-        check_wandb(self.cfg)
-        check_export_at_end(self.cfg)
-        if t.compile:   # inductor's compiler, before the first step would find it missing
-            check_compile_toolchain("cuda" if uses_cuda() else "cpu")
-        resume, note = check_save_and_load(t.save, t.load)
-        if resume is not None:
-            folder = latest_folder(resume)
-            check_resume_model(folder, self.cfg)
-            check_resume_batch(folder, self.layout.global_batch_size)
-            check_resume_tokenizer(folder, tokenizer, d.allow_tokenizer_mismatch)
+        checkpoint folders) and the lock on train.save, then a warning line for each setting
+        that would be ignored (run_warnings). Returns the checkpoint root to resume from, the
+        identity of the data's tokenizer (training/agreement.py) and, when that checkpoint is at
+        the run's last step or later, its step (a finished run: nothing to train)."""
+        t = self.cfg.train
+        resume, note, tokenizer, step = check_run(self.cfg, self.layout, on_gpu=uses_cuda())
+        for line in run_warnings(self.cfg, self.layout, dist.get_world_size()):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         if t.save:
             self.save_lock = SaveLock(t.save)   # held until close(): no second live run writes here
             for path in remove_stale_staging(t.save):
                 print(f"removed {path}, left by an interrupted save", file=sys.stderr, flush=True)
         if note:
             print(note, file=sys.stderr, flush=True)
-        return None if resume is None else str(resume), tokenizer.identity
+        finished = step if step is not None and step >= self.layout.train_iters else None
+        return None if resume is None else str(resume), tokenizer.identity, finished
 
     def close(self) -> None:
         """Release train.save (the lock) at the end of a run, after a background save in flight
@@ -262,8 +359,7 @@ class Trainer:
         return train
 
     def _index_cache(self) -> Path:
-        d = self.cfg.data
-        return Path(d.index_cache_dir) if d.index_cache_dir else default_cache_dir(d.data_path)
+        return index_cache_dir(self.cfg)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -391,7 +487,8 @@ class Trainer:
         """One optimizer step; with self.time_next_step set (train() sets it on the steps that log),
         where its time goes is measured into self.last_timing."""
         self.timer.start(self.time_next_step and self.cfg.train.timing_breakdown)
-        lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens)
+        lr = learning_rate(self.consumed_tokens, self.cfg.optimizer, self.cfg.train.train_tokens,
+                           self.layout.tokens_per_step)
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
         updates_before = self.guard.updates
@@ -437,11 +534,16 @@ class Trainer:
     def train(self, max_steps: int | None = None) -> list[float]:
         """Train to train_iters (or max_steps more steps); save every save_interval, and at the
         end or on SIGTERM / SIGUSR1. Returns the losses of the steps run."""
+        if self.finished_at is not None:
+            self._already_finished()
+            return []
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         losses = []
         start_step = self.step
         metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0, start_step=start_step,
-                          wandb_run_id=self.wandb_run_id)
+                          wandb_run_id=self.wandb_run_id, metrics_record=getattr(self, "metrics_record", None),
+                          resumed=self.resume_from is not None)
+        self.metrics = metrics   # its file's position goes into each checkpoint
         self.wandb_run_id = metrics.wandb_run_id or self.wandb_run_id   # kept in the checkpoints
         metrics.header(self.cfg, start_step)
         profile = ProfileWindow(self.cfg, dist.get_rank(), self.device)
@@ -484,6 +586,26 @@ class Trainer:
                 signal.signal(sig, handler)
         return losses
 
+    def _already_finished(self) -> None:
+        """train.load holds the run's last step (or a later one): say so; export only into a folder
+        that holds no export yet (an earlier export is kept: it is of this same checkpoint or older)."""
+        t, iters = self.cfg.train, self.layout.train_iters
+        if dist.get_rank() == 0:
+            past = "" if self.step == iters else f", past this run's last step {iters:,} (train.train_tokens)"
+            print(f"already finished at step {self.step:,}{past}: train.load={t.load} holds the run's end; nothing "
+                  f"to train (raise train.train_tokens to train further)", file=sys.stderr, flush=True)
+            out = t.export_hf_at_end
+            if out and Path(out).is_dir() and any(Path(out).iterdir()):
+                print(f"train.export_hf_at_end={out}: kept the export there, not exported again (to redo it: "
+                      f"megatron-id export-hf --checkpoint {self.resume_from} --output {out} --overwrite)",
+                      file=sys.stderr, flush=True)
+            elif out:
+                from ..hf.export import export_hf
+                done = export_hf(self.resume_from, out, overwrite=True)
+                print(f"exported step {self.step} of {self.resume_from} to {done} (train.export_hf_at_end)",
+                      file=sys.stderr, flush=True)
+        dist.barrier()
+
     def _export_at_end(self) -> None:
         """train.export_hf_at_end: rank 0 exports the final checkpoint (export-hf's rules; an
         earlier export in that folder is replaced, anything else was refused at start)."""
@@ -522,7 +644,11 @@ class Trainer:
                 return f"none readable ({err})"
             if folder is not None:
                 return f"{folder} (step {step_of(folder.name)})"
-        return "none (no checkpoint was saved; set train.save and train.save_interval)"
+        t = self.cfg.train
+        if not t.save:
+            return "none (train.save is unset: set train.save=<folder> to keep checkpoints)"
+        return (f"none yet in {t.save} (the first save comes at step {t.save_interval:,}, train.save_interval; "
+                f"lower it to save sooner)")
 
     def _request_stop(self, signum, frame):
         self.stop_requested = signum
@@ -545,6 +671,7 @@ class Trainer:
             tokenizer_id=self.tokenizer_id,
             evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state(),
             data=self.data_record(), wandb_run_id=self.wandb_run_id,
+            metrics_file=metrics_position(getattr(getattr(self, "metrics", None), "jsonl", None)),
             # no optimizer state: train.save_optimizer=false, or step 0 (Adam has none yet)
             weights_only=not self.cfg.train.save_optimizer or self.step == 0)
         self.wait_for_saves()   # one save at a time: the previous one is committed first
@@ -592,5 +719,6 @@ class Trainer:
         client = engine_io.load(self, root)
         self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
         self.wandb_run_id = client.wandb_run_id
+        self.metrics_record = client.metrics_file   # what a resume may trim of train.metrics_file
         if client.rng is not None:
             set_rng_state(client.rng)

@@ -50,9 +50,21 @@ def check_one_task_per_gpu(env: dict) -> None:
 
 
 def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, world_size: int,
-            job_id: str, attempt: int, env: dict | None = None) -> dict:
+            job_id: str, attempt: int, env: dict | None = None, check_run: bool = False) -> dict:
+    """check_run: also run train's own checks before any work (the data, tokenizers, folders,
+    the checkpoint resumed: training/engine.py check_run) and print its warnings to stderr, so
+    that a config train would refuse is refused here, before srun starts a process per GPU
+    (`megatron-id job-prepare` sets it)."""
     run_dir = Path(run_dir)
     env = dict(os.environ) if env is None else env
+    if world_size < 1:
+        raise JobLayoutError(f"--world-size {world_size}: a job has at least 1 task (its training processes; "
+                             f"the job scripts pass SLURM_NTASKS or --nproc).")
+    if attempt < 0:
+        raise JobLayoutError(f"--attempt {attempt}: at least 0 (the job's restart count, SLURM_RESTART_COUNT).")
+    if not job_id or "/" in job_id or job_id in (".", ".."):
+        raise JobLayoutError(f"--job-id {job_id!r}: give a job id without '/' (it names the config record "
+                             f"<run dir>/logs/<job id>.<attempt>.config.yaml), e.g. SLURM_JOB_ID.")
     on_gpu = env.get("MEGATRON_ID_DEVICE", "gpu") == "gpu"
     if on_gpu:
         check_one_task_per_gpu(env)
@@ -68,6 +80,12 @@ def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, wor
         extra.append(f"train.metrics_file={run_dir / 'metrics.jsonl'}")
     cfg = load_config(config_files, [*overrides, *extra])
     layout = training_layout(cfg, world_size)
+    if check_run:
+        import sys
+        from .engine import check_run as train_checks, run_warnings
+        train_checks(cfg, layout, on_gpu)
+        for line in run_warnings(cfg, layout, world_size):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     from .plan import run_estimate_gib
     memory_gib = run_estimate_gib(cfg, layout, on_gpu)
     latest = latest_folder(save)

@@ -63,7 +63,8 @@ def defaults_that_decided(cfg) -> str:
 
 
 class Metrics:
-    def __init__(self, cfg, layout, is_logger: bool, start_step: int = 0, wandb_run_id: str | None = None):
+    def __init__(self, cfg, layout, is_logger: bool, start_step: int = 0, wandb_run_id: str | None = None,
+                 metrics_record: dict | None = None, resumed: bool = False):
         self.layout, self.peak = layout, cfg.train.peak_tflops
         self.report = report(cfg.model)   # parameters and FLOPs, counted once
         self.flops_per_token = self.report.training_flops_per_token
@@ -75,7 +76,7 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(cfg.train.tensorboard_dir)
         if is_logger and cfg.train.metrics_file:
-            self.jsonl = open_metrics_file(cfg.train.metrics_file, start_step)
+            self.jsonl = open_metrics_file(cfg.train.metrics_file, start_step, metrics_record, resumed)
         if is_logger and wandb_enabled(cfg):
             self.wandb_run = start_wandb(cfg, wandb_run_id)
         self.is_logger = is_logger
@@ -183,27 +184,111 @@ class Metrics:
             self.wandb_run = None
 
 
-def open_metrics_file(path, start_step: int):
-    """train.metrics_file for appending after step `start_step`: the lines of later steps (written
-    by a run that stopped after its last checkpoint) are dropped first, so every step has one
-    line; rewritten through a temporary file, so a kill never leaves half a file."""
+def _metrics_lines(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of every line of an existing train.metrics_file; a line that is not one of
+    ours is refused (the file is someone else's)."""
+    lines = []
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line).get("step", 0)
+        except (json.JSONDecodeError, AttributeError):
+            raise ConfigError(f"train.metrics_file={path} holds a line that is not a JSON object ({line[:60]!r}): "
+                              f"it is not a metrics file of this trainer; give another path.") from None
+        lines.append((step if isinstance(step, int) else 0, line))
+    return lines
+
+
+def check_metrics_file(path) -> None:
+    """Before any work: train.metrics_file must be a file we can write, and hold only our lines."""
+    if not path:
+        return
     path = Path(path)
     if path.exists() and not path.is_file():
         raise ConfigError(f"train.metrics_file={path} is a folder: give a file path, e.g. {path}/metrics.jsonl.")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    found = path.parent
+    while not found.exists() and found != found.parent:
+        found = found.parent
+    if not found.is_dir():
+        raise ConfigError(f"train.metrics_file={path}: {found} is a file, not a folder: give a path in a folder.")
+    target = path if path.exists() else found
+    if not os.access(target, os.W_OK) or (target is found and not os.access(found, os.X_OK)):
+        raise ConfigError(f"train.metrics_file={path}: {target} is not writable: check its permissions or give "
+                          f"another path.")
     if path.is_file():
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= start_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, AttributeError):
-                raise ConfigError(f"train.metrics_file={path} holds a line that is not a JSON object ({line[:60]!r}): "
-                                  f"it is not a metrics file of this trainer; give another path.") from None
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        _metrics_lines(path)
+
+
+def _steps(lines) -> str:
+    return f"{len(lines)} line{'s' if len(lines) != 1 else ''} (steps {lines[0][0]}-{lines[-1][0]})"
+
+
+def open_metrics_file(path, start_step: int, record: dict | None = None, resumed: bool = False):
+    """train.metrics_file for appending the steps after `start_step`. Only a resume of the run
+    that wrote the file trims it: `record` (the checkpoint's, {"path", "bytes"}: the file and its
+    size when that checkpoint was saved) names this file and what follows those bytes is that
+    run's own continuation past the checkpoint (steps above start_step, in order): those lines
+    are dropped, so every step has one line. Anything else (a fresh run, a checkpoint that
+    records another file or none, lines it cannot tell as its own) appends after the existing
+    lines and says so: nothing is dropped. Rewritten through a temporary file, so a kill never
+    leaves half a file."""
+    path = Path(path)
+    check_metrics_file(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file() or path.stat().st_size == 0:
+        return open(path, "a")
+    lines = _metrics_lines(path)
+    if not lines:
+        return open(path, "a")
+    mine = (resumed and isinstance(record, dict) and record.get("path") == str(path.resolve())
+            and isinstance(record.get("bytes"), int) and record["bytes"] <= path.stat().st_size)
+    if mine:
+        data = path.read_bytes()
+        head, tail = data[:record["bytes"]], data[record["bytes"]:]
+        later = [(s, line) for s, line in _parsed(tail)] if head.endswith(b"\n") or not head else None
+        steps = [s for s, _ in later or []]
+        if later is not None and all(s > start_step for s in steps) and steps == sorted(set(steps)):
+            if later:
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_bytes(head)
+                os.replace(tmp, path)
+                print(f"train.metrics_file={path}: dropped the {_steps(later)} this run wrote after its "
+                      f"checkpoint of step {start_step}, which it resumes from", file=sys.stderr, flush=True)
+            return open(path, "a")
+    if resumed:
+        why = ("its checkpoint records no metrics file (saved before the checkpoints recorded it, or without "
+               "train.metrics_file)" if not isinstance(record, dict) or not record.get("path") else
+               f"its checkpoint records {record.get('path')}" if record.get("path") != str(path.resolve()) else
+               "the file changed since the checkpoint")
+        print(f"warning: train.metrics_file={path} holds {_steps(lines)} this resume cannot tell as its own "
+              f"({why}): its steps from {start_step + 1} are appended after them and nothing is dropped; a "
+              f"step may then have two lines (the later one is this run's).", file=sys.stderr, flush=True)
+    else:
+        print(f"warning: train.metrics_file={path} holds {_steps(lines)} of an earlier run: this run starts at "
+              f"step {start_step + 1} and appends after them (nothing is dropped; give a new path to keep runs "
+              f"apart).", file=sys.stderr, flush=True)
     return open(path, "a")
+
+
+def _parsed(data: bytes) -> list[tuple[int, str]]:
+    out = []
+    for line in data.decode(errors="replace").splitlines():
+        if line.strip():
+            try:
+                step = json.loads(line).get("step", 0)
+            except (json.JSONDecodeError, AttributeError):
+                step = -1
+            out.append((step if isinstance(step, int) else -1, line))
+    return out
+
+
+def metrics_position(jsonl) -> dict | None:
+    """What a checkpoint records of train.metrics_file (open_metrics_file's `record`)."""
+    if jsonl is None:
+        return None
+    jsonl.flush()
+    return {"path": str(Path(jsonl.name).resolve()), "bytes": jsonl.tell()}
 
 
 def wandb_enabled(cfg) -> bool:
@@ -220,6 +305,39 @@ def check_wandb(cfg) -> None:
         raise ConfigError(f"train.wandb.project={cfg.train.wandb.project} asks for Weights & Biases, which is not "
                           f"installed: pip install 'megatron_id[wandb]' (or wandb), or set "
                           f"train.wandb.mode=disabled.")
+    if cfg.train.wandb.mode.value == "online" and wandb_credentials() is False:
+        raise ConfigError(f"train.wandb.mode=online (the default) uploads to W&B, and no API key was found "
+                          f"(WANDB_API_KEY, or {_netrc_path()} for {_wandb_host()}): run `wandb login` or set "
+                          f"WANDB_API_KEY, or set train.wandb.mode=offline (upload later with `wandb sync`) or "
+                          f"train.wandb.mode=disabled.")
+
+
+def _wandb_host() -> str:
+    from urllib.parse import urlparse
+    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
+def _netrc_path() -> Path:
+    return Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+
+
+def wandb_credentials() -> bool | None:
+    """Whether wandb will find credentials for an online run, from where it looks (its
+    environment variables, the .netrc entry of its host, its settings file); None when that
+    cannot be read (wandb.init decides then)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        import netrc
+        path = _netrc_path()
+        if path.is_file() and netrc.netrc(str(path)).authenticators(_wandb_host()):
+            return True
+        settings = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings"
+        if settings.is_file() and "api_key" in settings.read_text(errors="replace"):
+            return True
+    except Exception:   # an unreadable .netrc or settings file: let wandb itself decide
+        return None
+    return False
 
 
 def start_wandb(cfg, run_id: str | None):
@@ -231,6 +349,12 @@ def start_wandb(cfg, run_id: str | None):
     if w.dir:
         Path(w.dir).mkdir(parents=True, exist_ok=True)
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    return wandb.init(project=w.project, entity=w.entity, name=w.name, group=w.group, tags=list(w.tags) or None,
-                      mode=w.mode.value, dir=w.dir, id=run_id or uuid.uuid4().hex[:8], resume="allow",
-                      config=config)
+    try:
+        return wandb.init(project=w.project, entity=w.entity, name=w.name, group=w.group,
+                          tags=list(w.tags) or None, mode=w.mode.value, dir=w.dir,
+                          id=run_id or uuid.uuid4().hex[:8], resume="allow", config=config)
+    except wandb.errors.Error as err:   # a rejected key, no network, a bad entity: one line, not 40
+        text = " ".join(str(err).split())[:300]
+        raise ConfigError(f"wandb.init failed for train.wandb.project={w.project} (mode {w.mode.value}): {text}. "
+                          f"Fix it (`wandb login`, the network, train.wandb.entity), or set "
+                          f"train.wandb.mode=offline (upload later with `wandb sync`) or disabled.") from None

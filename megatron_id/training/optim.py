@@ -14,9 +14,13 @@ linear warmup from 0 over `warmup_tokens`, then, with p the progress from the wa
   cosine     min_lr + (lr - min_lr) (1 + cos(pi p)) / 2            (the paper's)
   linear     lr - (lr - min_lr) p
   constant   lr
-  wsd        lr until the last `decay_fraction` of total_tokens, then from lr to min_lr with
+  wsd        lr until the last `decay_fraction` of the run, then from lr to min_lr with
              q the progress through that decay: linear 1 - q, cosine (1 + cos(pi q)) / 2,
-             1-sqrt 1 - sqrt(q) (Hagele et al. 2024), scaling lr - min_lr
+             1-sqrt 1 - sqrt(q) (Hagele et al. 2024), scaling lr - min_lr. In training the
+             decay takes whole steps (round(decay_fraction x train_iters), at least 1) and a
+             step's q is the progress at its end, so the first decay step is already below lr
+             and the last step is at min_lr whatever the fraction [our choice; Megatron-LM's
+             WSD, like the cosine here, evaluates at the step's start and never reaches min_lr]
 and min_lr after `total_tokens` (lr for constant). As Megatron-LM's --lr-decay-style
 (cosine / linear / constant / WSD with --lr-wsd-decay-style) and torchtitan's lr_scheduler.
 The rate is a function of the tokens consumed alone, so a resume continues it exactly.
@@ -59,18 +63,36 @@ def parameter_groups(model: nn.Module, opt, named: bool = False) -> list[dict]:
             for g, params in members.items() if params]
 
 
-def learning_rate(tokens: float, opt, total_tokens: float) -> float:
-    """The scheduled (base) learning rate after `tokens` training tokens."""
+def wsd_decay_steps(decay_fraction: float, train_iters: int) -> int:
+    """The steps the wsd decay takes: decay_fraction of the run rounded to whole steps, at least
+    one (as torchtitan's decay_ratio)."""
+    return min(max(round(decay_fraction * train_iters), 1), train_iters)
+
+
+def learning_rate(tokens: float, opt, total_tokens: float, tokens_per_step: float | None = None) -> float:
+    """The scheduled (base) learning rate of the step that starts after `tokens` training tokens.
+    tokens_per_step (the trainer gives it): wsd's decay takes whole steps, the last
+    wsd_decay_steps of the run, the last of them at min_lr; without it (None) the decay is the
+    continuous one over the last decay_fraction of total_tokens (the limit of tiny steps)."""
     if opt.warmup_tokens > 0 and tokens < opt.warmup_tokens:
         return opt.lr * tokens / opt.warmup_tokens
     schedule = getattr(getattr(opt, "schedule", "cosine"), "value", getattr(opt, "schedule", "cosine"))
     if schedule == "constant":
         return opt.lr
     if schedule == "wsd":
-        decay_start = max(total_tokens - opt.decay_fraction * total_tokens, opt.warmup_tokens)
-        if tokens < decay_start:
-            return opt.lr
-        q = min((tokens - decay_start) / max(total_tokens - decay_start, 1), 1.0)
+        if tokens_per_step:   # a step's rate is the decay's value at the end of the step: q = 1 on the last
+            iters = math.ceil(total_tokens / tokens_per_step)
+            end = iters * tokens_per_step
+            decay_start = max((iters - wsd_decay_steps(opt.decay_fraction, iters)) * tokens_per_step,
+                              opt.warmup_tokens)
+            q = min((tokens + tokens_per_step - decay_start) / max(end - decay_start, 1), 1.0)
+            if q <= 0:
+                return opt.lr
+        else:
+            decay_start = max(total_tokens - opt.decay_fraction * total_tokens, opt.warmup_tokens)
+            if tokens < decay_start:
+                return opt.lr
+            q = min((tokens - decay_start) / max(total_tokens - decay_start, 1), 1.0)
         factor = {"linear": 1 - q, "cosine": 0.5 * (1 + math.cos(math.pi * q)),
                   "1-sqrt": 1 - math.sqrt(q)}[opt.decay_shape]
         return opt.min_lr + (opt.lr - opt.min_lr) * factor

@@ -402,12 +402,15 @@ def parse_size(text: str, option: str = "memory size", allow_zero: bool = False)
         value = float(number)
     except ValueError:
         value = None
-    if value is not None and not unit:
+    if value == 0 and not unit and allow_zero:   # a bare 0 is 0 in any unit
+        return 0.0
+    out_of_range = value is not None and (value < 0 or (value == 0 and not allow_zero))
+    if value is not None and not unit and not out_of_range:   # (a bare 0 once got the advice "Write 0GiB")
         raise ConfigError(f"{option} '{text}' has no unit: {number} what? Write {number}GiB (or {number}GB, "
                           f"{number}MiB).")
-    if unit not in units or value is None or value != value:
+    if (unit and unit not in units) or value is None or value != value or value == float("inf"):
         raise ConfigError(f"{option} '{text}' is not understood; write e.g. 80GiB or 81920MiB.")
-    if value < 0 or (value == 0 and not allow_zero):
+    if out_of_range:
         raise ConfigError(f"{option} '{text}' must be {'at least 0' if allow_zero else 'more than 0'} "
                           f"(e.g. 80GiB).")
     return value * units[unit]

@@ -262,7 +262,8 @@ def table(rows: list[Row]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-id kernel-resources", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="megatron-id kernel-resources", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--config", action="append", default=[], metavar="YAML",
                    help="model config (repeat for several); default: every configs/model/*.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -286,6 +287,8 @@ def main(argv=None) -> int:
         args.jobs = min(4, os.cpu_count() or 1)
     from ...config import load_config
     from ...errors import UserError
+    if args.jobs < 1:   # (0 once compiled in one process without a word)
+        raise UserError(f"--jobs {args.jobs}: give at least 1 compiler process (default: the cores, at most 4)")
     from . import triton_chunked
     if triton_chunked.INTERPRET:
         raise UserError("kernel-resources compiles the kernels for a GPU, which Triton's interpreter does not: "
@@ -310,13 +313,13 @@ def main(argv=None) -> int:
         shape = config_shape(load_config([path], args.overrides).model)
         if shape not in shapes:
             shapes.append(shape)
-    print(f"compiling for {', '.join(args.arch)}: shapes (T, M, R, Dv) {shapes} from {len(configs)} config(s), "
-          f"{', '.join(args.precision)} training, {args.jobs} process(es)", file=sys.stderr, flush=True)
     if args.kernel:
         unknown = sorted(set(args.kernel) - set(triton_chunked.KERNELS))
         if unknown:
             raise UserError(f"--kernel {' '.join(unknown)}: no such kernel; the kernels are "
                             f"{', '.join(triton_chunked.KERNELS)}")
+    print(f"compiling for {', '.join(args.arch)}: shapes (T, M, R, Dv) {shapes} from {len(configs)} config(s), "
+          f"{', '.join(args.precision)} training, {args.jobs} process(es)", file=sys.stderr, flush=True)
     rows = check(shapes, tuple(args.arch), tuple(args.precision), jobs=args.jobs, kernels=args.kernel)
     print(table(rows))
     if args.json:
