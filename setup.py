@@ -52,7 +52,9 @@ setup(
         # (the sdist would compile), hence the marker; the benchmark runs our side alone without it.
         "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval==0.4.13",
                  "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1", "aiohttp>=3.9,<4", "openai>=1.0",
-                 "megatron-core==0.16.1; platform_system == 'Linux'"],
+                 "megatron-core==0.16.1; platform_system == 'Linux'",
+                 # the lint tests/test_code_layout.py runs (.ruff.toml); pinned: isort's order moves between releases
+                 "ruff==0.17.6"],
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },

@@ -59,8 +59,9 @@ def main(argv=None) -> int:
     if not Path(args.config).is_file():
         ap.error(f"--config {args.config}: no such file")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from data_tools.preprocess import main as preprocess
     from distributed import run_distributed
+
+    from data_tools.preprocess import main as preprocess
     work = Path(tempfile.mkdtemp(prefix="async_save_"))
     try:
         assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"),
@@ -78,11 +79,13 @@ def main(argv=None) -> int:
             rows[mode] = run_distributed(_measure, 1, args=(items, str(work / ("ckpt-" + mode))), timeout=1800,
                                          collective_timeout=1800)[0]
             print(f"  measured async_save={mode}", file=sys.stderr, flush=True)
-        print(f"# a save of {rows['false']['bytes'] / 2**30:.2f} GiB ({Path(args.config).name}, ZeRO-1, fp32), one CPU process\n")
+        print(f"# a save of {rows['false']['bytes'] / 2**30:.2f} GiB ({Path(args.config).name}, ZeRO-1, fp32), "
+              "one CPU process\n")
         print("| train.async_save | save call blocks the loop | committed after | step before | step after (3 steps) |")
         print("|---|---|---|---|---|")
         for mode, r in rows.items():
-            print(f"| {mode} | {r['blocked']:.2f} s | {r['committed']:.2f} s | {r['before']:.2f} s | {r['after']:.2f} s |")
+            print(f"| {mode} | {r['blocked']:.2f} s | {r['committed']:.2f} s | {r['before']:.2f} s | "
+                  f"{r['after']:.2f} s |")
         ratio = rows["true"]["blocked"] / rows["false"]["blocked"]
         print(f"\nasync blocks the loop {ratio:.2f}x as long as a synchronous save")
         return 0

@@ -32,6 +32,7 @@ def worker(kind: str, N: int, reps: int, device_name: str) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
     import torch.nn.functional as F
+
     from megatron_id.ops.attention import blockwise_attention, causal_attention, masked_attention
     device = torch.device(device_name)
     g = torch.Generator().manual_seed(0)
@@ -41,7 +42,7 @@ def worker(kind: str, N: int, reps: int, device_name: str) -> dict:
           "blockwise": lambda: (causal_attention if device.type == "cuda" else blockwise_attention)(q, k, v, seq),
           "window": lambda: (causal_attention if device.type == "cuda" else blockwise_attention)(q, k, v, seq, 1024),
           "causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[kind]
-    from measure import peak_and_time   # (beside this file)
+    from measure import peak_and_time  # (beside this file)
 
     def drop_grads():
         for t in (q, k, v):

@@ -188,7 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", help="a folder to work in (kept); default: a temporary one, removed")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--reuse", action="store_true",
-                    help="with --work: reuse its data and checkpoint of an earlier run (no 1-step run, no planner line)")
+                    help="with --work: reuse its data and checkpoint of an earlier run "
+                         "(no 1-step run, no planner line)")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from data_tools.preprocess import main as preprocess

@@ -45,6 +45,7 @@ def _peak() -> int:
 def _memory_rank(rank, world, tokens):
     import torch
     import torch.distributed as dist
+
     from megatron_id.config import load_config
     from megatron_id.model import LanguageModel
     from megatron_id.parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         print("|---|---|---|")
         for i, (loss, t) in enumerate(zip(res[0]["losses"], res[0]["times"])):
             print(f"| {i + 1} | {loss:.4f} | {t:.1f} s |")
-        print(f"\npeak RSS above baseline per rank: " + ", ".join(f"{r['peak'] / 2**20:,.0f} MiB" for r in res))
+        print("\npeak RSS above baseline per rank: " + ", ".join(f"{r['peak'] / 2**20:,.0f} MiB" for r in res))
     return 0
 
 

@@ -33,6 +33,7 @@ GiB = 2 ** 30
 def worker(kind: str, N: int, reps: int, device_name: str, tree: str) -> dict:
     sys.path.insert(0, tree)
     import torch
+
     from megatron_id.config import load_config
     from megatron_id.model.init import initialize
     from megatron_id.model.mixers import build_mixer
@@ -45,7 +46,7 @@ def worker(kind: str, N: int, reps: int, device_name: str, tree: str) -> dict:
     initialize(layer, 0)
     layer.to(device)
     x = torch.randn(1, N, cfg.d_model, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
-    from measure import peak_and_time   # (beside this file)
+    from measure import peak_and_time  # (beside this file)
     return peak_and_time(lambda: layer(x).square().mean().backward(), reps, device)
 
 

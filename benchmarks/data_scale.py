@@ -1,7 +1,8 @@
 """The GPT sample index and the blend index at FineWeb-Edu scale, side by side with megatron-core.
 
     python benchmarks/data_scale.py --help
-    python benchmarks/data_scale.py                  # every cell: ~6 minutes on 2 cores, ~18 GB of disk, ~4 GB of memory
+    python benchmarks/data_scale.py                  # every cell: ~6 minutes on 2 cores, ~18 GB of disk,
+                                                     # ~4 GB of memory
     python benchmarks/data_scale.py --cells blend20-26B blend20-100B single-100B --keep --workdir /scratch/ds
     python benchmarks/data_scale.py --quick          # the same cells 1000x smaller: a smoke test, seconds
 
@@ -231,6 +232,7 @@ def worker(spec: dict) -> None:
     """Build one side's indices, between the READY/GO handshake with the parent; print the result."""
     import gc
     import warnings
+
     import torch  # noqa: F401  (a trainer has it imported already: not part of the build)
     if spec["side"] == "mcore":
         warnings.filterwarnings("ignore")
@@ -401,7 +403,8 @@ def table(rows: list[dict], sides: list[str]) -> list[str]:
             f"| {row['cell']} | {row['prefixes']} | {tokens_text(row['run_tokens'])} | "
             f"{samples(ours) if ours else '-'} / {samples(mc) if mc else '-'} | "
             f"{seconds(ours) if ours else '-'} | {seconds(mc) if mc else '-'} | {ratio(ours, mc, 'time')} | "
-            f"{mib(ours['peak']) if ours and 'peak' in ours else '-'} | {mib(mc['peak']) if mc and 'peak' in mc else '-'} | "
+            f"{mib(ours['peak']) if ours and 'peak' in ours else '-'} | "
+            f"{mib(mc['peak']) if mc and 'peak' in mc else '-'} | "
             f"{ratio(ours, mc, 'peak')} | {mib(ours['disk']) if ours else '-'} / {mib(mc['disk']) if mc else '-'} |")
     return lines
 

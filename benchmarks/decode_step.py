@@ -38,8 +38,7 @@ if any(os.environ.get(k) != v for k, v in ALLOCATOR_ENV.items()):   # (they must
 import torch  # noqa: E402
 
 from megatron_id.config import load_config  # noqa: E402
-from megatron_id.inference.fused_decode import (FusedDecoder, fixed_state_mixer,  # noqa: E402
-                                                fixed_state_mixer_kernel)
+from megatron_id.inference.fused_decode import FusedDecoder, fixed_state_mixer, fixed_state_mixer_kernel  # noqa: E402
 from megatron_id.model import LanguageModel  # noqa: E402
 
 

@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-
 from conftest import relative_error  # noqa: E402  (tests/: the shared inputs and loss)
 from test_interdomain_forms import core_inputs, run_form  # noqa: E402
+
 from megatron_id.ops.interdomain import triton_chunked  # noqa: E402
 
 

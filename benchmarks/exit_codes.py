@@ -53,7 +53,7 @@ def main() -> int:
             log.write_text(done.stdout + done.stderr)
             failures.append(f"run {i}: exit {done.returncode}, finished={finished}, log {log}")
         print(f"run {i + 1}/{args.runs}: exit {done.returncode} ({times[-1]:.1f} s)", file=sys.stderr, flush=True)
-    print(f"\n| exit status | runs |\n|---|---|")
+    print("\n| exit status | runs |\n|---|---|")
     for status, n in sorted(statuses.items()):
         print(f"| {status} | {n} |")
     print(f"\n{args.runs} runs, {statuses[0]} exited 0; wall time per run: "

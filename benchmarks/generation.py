@@ -34,12 +34,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from allocator import ALLOCATOR_ENV  # noqa: E402  (benchmarks/allocator.py, beside this file)
+
 PREFIXES = [512, 1024, 2048, 4096, 8192, 16384]
 MIXERS = ["interdomain", "softmax"]
 
 
 def build(mixer: str):
     import torch
+
     from megatron_id.config import load_config
     from megatron_id.model import LanguageModel
     cfg = load_config([ROOT / "configs/model/tiny.yaml"], [
@@ -103,6 +105,7 @@ def export_random(mixer: str, folder: Path) -> Path:
 def batched_rows(prefixes=(256, 1024, 4096, 16384), batches=(1, 8, 32), steps: int = 20) -> None:
     """ms per step of the fused step at batch B after a prefix of L tokens (every slot at L)."""
     import torch
+
     from megatron_id.inference.fused_decode import FusedDecoder
     torch.set_num_threads(2)
     print("\n## the fused decode step (what `generate` and `serve` run), 4 layers, d 256: ms per step "
@@ -146,7 +149,7 @@ def slot_bytes(mixer: str, context: int) -> int:
     decoder = FusedDecoder(build(mixer), slots=1, capacity=context)
     total = 0
     for layer in decoder.layers:
-        tensors = [layer.k, layer.v] if hasattr(layer, "k") else [layer.tensors["state"], layer.tensors["conv_tail"]]
+        tensors = list(layer.buffers.values())   # the mixer's per-slot buffers (allocate_decode_state)
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 
@@ -200,8 +203,8 @@ def server_rows(clients=(1, 8, 32), prefix: int = 256, max_tokens: int = 32, req
                     wall = time.perf_counter() - start
                     rss = int(next(line for line in open(f"/proc/{server.pid}/status")
                                    if line.startswith("VmRSS")).split()[1]) / 1024
-                    print(f"| {mixer} | {n} | {n * requests * max_tokens / wall:,.0f} | {wall:.1f} s | {rss:,.0f} MiB |",
-                          flush=True)
+                    print(f"| {mixer} | {n} | {n * requests * max_tokens / wall:,.0f} | {wall:.1f} s | "
+                          f"{rss:,.0f} MiB |", flush=True)
             finally:
                 server.terminate()
                 server.wait(timeout=120)

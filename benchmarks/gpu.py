@@ -101,6 +101,7 @@ def core_cell(cell: dict, device) -> dict:
     """Forward + backward of the core (or of causal SDPA) at the 1.3B mixer's head shapes."""
     import torch
     import torch.nn.functional as F
+
     from megatron_id.config import load_config
     from megatron_id.model.init import initialize
     from megatron_id.model.layers import feature_map
@@ -163,6 +164,7 @@ def core_cell(cell: dict, device) -> dict:
 def train_cell(cell: dict, device, deadline: float) -> dict:
     """Tokens/s of a plain training step loop; the first micro-batch in the list that fits."""
     import torch
+
     from megatron_id.config import ConfigError
     from megatron_id.model import LanguageModel, lm_loss
     from megatron_id.model.accounting import report
@@ -383,6 +385,7 @@ def main(argv=None) -> int:
         return 0
 
     import torch
+
     from megatron_id.config import load_config
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"benchmarks/gpu.py: no CUDA device is visible (torch {torch.__version__}, CUDA build "

@@ -31,6 +31,7 @@ D, VOCAB, PADDED = 768, 50_257, 50_304
 
 def worker(kind: str, tokens: int, chunk: int | None, precision: str, reps: int, device_name: str) -> dict:
     import torch
+
     from megatron_id.parallel.fused_cross_entropy import fused_lm_head_loss, naive_lm_head_loss
     device = torch.device(device_name)
     g = torch.Generator().manual_seed(0)
@@ -78,6 +79,7 @@ def main():
         return 0
 
     import torch
+
     from megatron_id.parallel.fused_cross_entropy import default_chunk_size
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     T = args.tokens

@@ -74,6 +74,7 @@ def _timed(fn, reps: int, device, warmup: bool):
 def worker_train(kind: str, N: int, reps: int, device_name: str) -> dict:
     """Forward+backward of one layer (kinds in LAYER_KINDS) or of the core alone (core_*)."""
     import torch
+
     from megatron_id.model.init import initialize
     from megatron_id.model.mixers import build_mixer
     from megatron_id.ops.interdomain import FORMS
@@ -103,6 +104,7 @@ def worker_train(kind: str, N: int, reps: int, device_name: str) -> dict:
 def worker_decode(kind: str, L: int, reps: int, device_name: str) -> dict:
     """Latency of one decode step of one layer after a prefix of L tokens (batch 1)."""
     import torch
+
     from megatron_id.model.init import initialize
     from megatron_id.model.mixers import build_mixer
     device = torch.device(device_name)
@@ -165,6 +167,7 @@ def main():
         return 0
 
     import torch
+
     from megatron_id.model.accounting import mixer_forward_flops_per_token
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":   # the fused kernel and the PyTorch form it replaces, side by side

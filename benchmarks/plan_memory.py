@@ -13,8 +13,9 @@ current RSS at that moment (writing 5 to /proc/self/clear_refs), so what the imp
 process group used before does not count. On CPU the peak includes the framework's own memory
 (DeepSpeed engine, gloo, the allocator's free lists, the dataset's index): that is the
 per-process overhead, measured ONCE as the same quantity for a tiny config (d 16, 1 layer,
-vocabulary 50257, seq 16) less the planner's ~35 MB of model terms for it, and added to every estimate, the same constant
-for every layout. ZeRO's reduction bucket is counted as the pages gradients touch (RSS does not
+vocabulary 50257, seq 16) less the planner's ~35 MB of model terms for it, and added to every
+estimate, the same constant for every layout. ZeRO's reduction bucket is counted as the pages
+gradients touch (RSS does not
 count untouched pages of torch.empty); on a GPU the planner counts it whole.
 """
 from __future__ import annotations
@@ -55,7 +56,9 @@ def _status(key: str) -> int:
 def _measure(rank, world, items, steps):
     """Runs on every rank: reset the peak, build and train, return the peak increase (bytes)."""
     import gc
+
     import deepspeed  # noqa: F401  (imported before the baseline: not part of the training's memory)
+
     from megatron_id.config import load_config
     from megatron_id.training.engine import Trainer
     cfg = load_config([], items)
@@ -76,7 +79,8 @@ def items_for(prefix, model, mixer, world, tp, pp, zero, steps):
     dp = world // (tp * pp)
     global_batch = 2 * dp   # micro-batch 1: gradient accumulation 2 (two micro-batches in flight at PP=2)
     seq = int([i for i in model if i.startswith("model.seq_length=")][0].split("=")[1])
-    return model + MIXER_ITEMS.get(mixer, [f"model.mixer={mixer}"]) + [f"data.data_path=[{prefix}]", "data.split=100,0,0",
+    return model + MIXER_ITEMS.get(mixer, [f"model.mixer={mixer}"]) + [f"data.data_path=[{prefix}]",
+                    "data.split=100,0,0",
                     f"parallel.tensor_model_parallel_size={tp}",
                     f"parallel.pipeline_model_parallel_size={pp}", f"train.zero_stage={zero}",
                     "train.precision=fp32", "train.micro_batch_size=1",

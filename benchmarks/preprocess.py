@@ -242,7 +242,8 @@ def main(argv=None) -> int:
             corpus = tmp / f"{kind}{mb}.jsonl"
             write_corpus(corpus, mb, kind)
             reference = None
-            runs = [(backend, None) for backend in args.backends] + ([("megatron", args.megatron)] if args.megatron else [])
+            runs = [(backend, None) for backend in args.backends] + (
+                [("megatron", args.megatron)] if args.megatron else [])
             for backend, checkout in runs:
                 out = tmp / f"out_{kind}{mb}_{backend}"
                 r = measure_megatron(checkout, corpus, out, args.tokenizer, args.workers) if checkout else \
@@ -251,7 +252,8 @@ def main(argv=None) -> int:
                 r.update(kind=kind, mb=mb, requested=backend, identical=same_bytes(r["prefix"], reference["prefix"]),
                          speedup=reference["wall_s"] / r["wall_s"])
                 rows.append(r)
-                print(f"  {kind} {mb} MB, {r['encoder']}: {r['tokens']:,} tokens in {r['wall_s']:.1f} s", file=sys.stderr)
+                print(f"  {kind} {mb} MB, {r['encoder']}: {r['tokens']:,} tokens in {r['wall_s']:.1f} s",
+                      file=sys.stderr)
                 if backend != "tokenizers":
                     shutil.rmtree(out.parent / "megatron-tokenizer", ignore_errors=True)
                     for ext in (".bin", ".idx", ".meta.json"):
@@ -272,7 +274,8 @@ def main(argv=None) -> int:
     for r in rows:
         tool = "-" if r["tool_s"] is None else f"{r['tool_s']:.1f} s"
         encoder = r["encoder"].split(" (")[0]
-        print(f"| {r['kind']} | {r['mb']} MB | {r['documents']:,} | {r['tokens']:,} | {encoder} | {r['wall_s']:.1f} s | "
+        print(f"| {r['kind']} | {r['mb']} MB | {r['documents']:,} | {r['tokens']:,} | {encoder} | "
+              f"{r['wall_s']:.1f} s | "
               f"{tool} | {r['tokens'] / r['wall_s'] / 1e6:.2f} M | {r['speedup']:.2f}x | "
               f"{'yes' if r['identical'] else 'NO'} | {alone[r['kind']] / 1e6:.2f} M | {r['rss'] / 2**20:.0f} MiB |")
     if index:

@@ -52,9 +52,10 @@ def _save(rank, world, items, ckpt):
 
 def _load(rank, world, items, folder, what):
     import gc
-    from megatron_id.config import load_config
+
     from megatron_id.checkpoint import engine_io, reshard
     from megatron_id.checkpoint.files import read_client_state
+    from megatron_id.config import load_config
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([], items))
     saved = read_client_state(Path(folder)).layout
@@ -73,8 +74,9 @@ def _load(rank, world, items, folder, what):
 
 
 def main() -> int:
-    from data_tools.preprocess import main as preprocess
     from distributed import run_distributed
+
+    from data_tools.preprocess import main as preprocess
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         prefix = tmp / "data" / "fineweb"

@@ -62,6 +62,7 @@ def build_trainer(args, compiled: bool = False):
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+
     from megatron_id.training.distributed import init_distributed_from_env
     init_distributed_from_env()
     trainer, cfg = build_trainer(args)
@@ -90,6 +91,7 @@ def compile_worker(args) -> None:
     alike (timing them one after the other measured the neighbours as much as the modes)."""
     import torch
     import torch.distributed as dist
+
     from megatron_id.model.accounting import report
     from megatron_id.training.distributed import init_distributed_from_env
     init_distributed_from_env()

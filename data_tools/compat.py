@@ -110,7 +110,8 @@ def check_compat_flags(args) -> list[str]:
         if not _given(value):
             continue
         outcome = verdict(value) if callable(verdict) else verdict
-        shown = flag if isinstance(value, bool) else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        shown = (flag if isinstance(value, bool)
+                 else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
         if outcome == REFUSE:
             raise ValueError(f"{shown}: not supported here: {reason}.")
         if outcome == NOTE:

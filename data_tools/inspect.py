@@ -26,17 +26,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from megatron_id.data.indexed_dataset import (META_FORMAT, IndexedDataset, matching_meta, meta_path, read_meta,
-                                              scan_bin, temp_path, token_id_report, verify_bin)
-from megatron_id.errors import UserError, run_guarded
-
+from megatron_id.atomic import write_atomic_text
+from megatron_id.data.indexed_dataset import (
+    META_FORMAT,
+    IndexedDataset,
+    matching_meta,
+    meta_path,
+    read_meta,
+    scan_bin,
+    temp_path,
+    token_id_report,
+    verify_bin,
+)
 from megatron_id.data.tokenizer import MISMATCH_FLAG, check_same_tokenizer, load_tokenizer, tokenizer_identity
+from megatron_id.errors import UserError, run_guarded
 
 
 class InspectError(UserError, ValueError):
@@ -143,12 +151,8 @@ def write_meta(ds: IndexedDataset, args, tokenizer) -> int:
             "min_token_id": found["min"], "num_sequences": len(ds), "num_documents": len(ds.document_index) - 1,
             "num_tokens": ds.num_tokens, **named, "bin_bytes": ds.bin_path.stat().st_size,
             "checksum": found["checksum"]}
-    temporary = temp_path(path)
-    try:
-        temporary.write_text(json.dumps(meta, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    # the data tools' temporary name: a later preprocess or merge of this prefix removes it if a kill left it
+    write_atomic_text(path, json.dumps(meta, indent=1) + "\n", temp=temp_path(path))
     print(f"wrote {path}: token ids {found['min']}..{found['max']}, {len(found['checksum']['chunks']):,} chunk "
           f"checksum(s)" + (f", vocabulary {vocab:,}" if vocab else ", vocabulary unknown (give --tokenizer or "
                                                                       "--vocab-size to record it)"))

@@ -17,9 +17,14 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_id.data.indexed_dataset import (IndexedDataset, IndexedDatasetError,
-                                              IndexedDatasetWriter, matching_meta, output_files,
-                                              remove_stale_temps)
+from megatron_id.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    IndexedDatasetWriter,
+    matching_meta,
+    output_files,
+    remove_stale_temps,
+)
 from megatron_id.data.tokenizer import MISMATCH_FLAG, check_same_tokenizer
 from megatron_id.errors import OutputExistsError, UserError, run_guarded
 

@@ -54,18 +54,30 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_id.data.indexed_dataset import (IndexedDataset, IndexedDatasetWriter, best_dtype,
-                                              remove_stale_temps, temp_path)
+from megatron_id.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    best_dtype,
+    remove_stale_temps,
+    temp_path,
+)
+from megatron_id.data.tokenizer import null_tokenizer_identity, tokenizer_identity
 from megatron_id.errors import UserError, run_guarded
 
 from .compat import add_compat_flags, check_compat_flags
-from .encoders import (PROBE_TEXT, TOKENIZER_TYPES, NullEncoder, TiktokenEncoder, TokenizersEncoder,
-                       resolve_tokenizer, tiktoken_unavailable)
+from .encoders import (
+    PROBE_TEXT,
+    TOKENIZER_TYPES,
+    NullEncoder,
+    TiktokenEncoder,
+    TokenizersEncoder,
+    resolve_tokenizer,
+    tiktoken_unavailable,
+)
 from .outputs import check_outputs, check_prefix, make_folder, remove_folders, report_stale
 from .pieces import PIECE_CHARS, PieceCutter
 from .progress import Progress
-from .readers import InputError, Record, expand_inputs, iter_documents
-from megatron_id.data.tokenizer import TokenizerError, null_tokenizer_identity, tokenizer_identity
+from .readers import Record, expand_inputs, iter_documents
 
 BATCH_CHARS = 4_000_000   # characters per tokenizer call (and per reader batch); ~1M tokens
 

@@ -9,10 +9,10 @@ name and renamed when complete.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from megatron_id.atomic import write_atomic
 from megatron_id.data.indexed_dataset import remove_stale_temps, temp_path
 from megatron_id.errors import UserError, run_guarded
 
@@ -93,12 +93,9 @@ def main(argv=None, debug: bool = False) -> int:
                                       f"have no --json-keys {' '.join(args.json_keys)} field.")
         created = make_folder(out.parent)
         report_stale("train_tokenizer", remove_stale_temps([out]))
-        tmp = temp_path(out)
-        try:
-            tok.save(str(tmp))
-            os.replace(tmp, out)
+        try:   # under the name remove_stale_temps knows, should a kill leave it
+            write_atomic(out, lambda tmp: tok.save(str(tmp)), temp=temp_path(out))
         except BaseException:
-            tmp.unlink(missing_ok=True)
             remove_folders(created)
             raise
         print(f"trained byte-level BPE, vocabulary {tok.get_vocab_size():,} ({EOD} = "

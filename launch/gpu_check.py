@@ -40,12 +40,14 @@ def core_case(H, N, D, M, contraction, device, seed):
     """Inputs at a config's head shape: q, k, v [1, N, H, D], the S4D parameters at their init
     ranges, an initial state and three packed documents (seq_idx)."""
     import torch
+
     from megatron_id.ops.interdomain.ssm import s4d_inv_init
     g = torch.Generator().manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     a_log, a_im = s4d_inv_init(H, M)
     params = dict(log_dt=math.log(1e-3) + torch.rand(H, generator=g, dtype=torch.float64) * math.log(100),
-                  a_log=a_log + 0.3 * randn(H, M), a_im=a_im, c_re=torch.eye(M, dtype=torch.float64) + 0.4 * randn(H, M, M),
+                  a_log=a_log + 0.3 * randn(H, M), a_im=a_im,
+                  c_re=torch.eye(M, dtype=torch.float64) + 0.4 * randn(H, M, M),
                   c_im=0.4 * randn(H, M, M))
     data = dict(q=None if contraction else randn(1, N, H, D), k=randn(1, N, H, D), v=randn(1, N, H, D))
     if contraction:
@@ -61,6 +63,7 @@ def core_case(H, N, D, M, contraction, device, seed):
 def run_core(tensors, state, seq_idx, backward, dtypes, autocast):
     """Output, final state and every gradient of a weighted loss over both."""
     import torch
+
     from megatron_id.ops.interdomain import chunked_interdomain
     leaves = {}
     for name, t in tensors.items():
@@ -112,15 +115,18 @@ def cmd_kernel(args) -> int:
                 ok = max(errors.values()) < TOLERANCE[prec] and grads[worst] < TOLERANCE[prec] and repeat
                 failed |= not ok
                 case = f"{label} H={H} D={D} M={M} N={N} {readout} {training} ({prec})"
-                print(f"{case:44s} {errors['out']:8.1e} {errors['state']:8.1e} {worst + ' ' + format(grads[worst], '.1e'):>22s} "
-                      f"{TOLERANCE[prec]:6.0e} {'bitwise' if repeat else 'DIFFERS'}  {'ok' if ok else 'FAIL'}", flush=True)
+                print(f"{case:44s} {errors['out']:8.1e} {errors['state']:8.1e} "
+                      f"{worst + ' ' + format(grads[worst], '.1e'):>22s} "
+                      f"{TOLERANCE[prec]:6.0e} {'bitwise' if repeat else 'DIFFERS'}  {'ok' if ok else 'FAIL'}",
+                      flush=True)
     return 1 if failed else 0
 
 
 def cmd_decode(args) -> int:
     import torch
+
     from megatron_id.config import load_config
-    from megatron_id.generation import generate_ids
+    from megatron_id.inference.generate import generate_ids
     from megatron_id.model.language_model import LanguageModel
     device = torch.device("cpu" if args.dry_run else "cuda")
     graph = "static" if args.dry_run else "graph"
@@ -160,6 +166,7 @@ def cmd_attention(args) -> int:
     picks on this device (FlexAttention, compiled, on CUDA; the blockwise form on the CPU)
     against the dense-mask SDPA in float64 ... float32 on CUDA: outputs and q, k, v gradients."""
     import torch
+
     from megatron_id.ops.attention import causal_attention, masked_attention
     device = torch.device("cpu" if args.dry_run else "cuda")
     N, H, D = (300, 2, 16) if args.dry_run else (4096, 12, 64)
@@ -187,10 +194,11 @@ def cmd_attention(args) -> int:
 
 def cmd_losses(args) -> int:
     """Under torchrun: train a few steps and write rank 0's losses to --out."""
+    import torch.distributed as dist
+
     from megatron_id.config import load_config
     from megatron_id.training.distributed import init_distributed_from_env
     from megatron_id.training.engine import Trainer
-    import torch.distributed as dist
     cfg = load_config([ROOT / "configs/model/tiny.yaml"], args.overrides)
     init_distributed_from_env(cfg.train.collective_timeout_minutes)
     trainer = Trainer(cfg)
@@ -262,7 +270,8 @@ def refusal(args) -> str | None:
         try:
             import triton  # noqa: F401
         except ImportError:
-            return "gpu_check kernel: triton is not installed: pip install -e '.[triton]' (a CUDA torch usually brings it)."
+            return ("gpu_check kernel: triton is not installed: pip install -e '.[triton]' "
+                    "(a CUDA torch usually brings it).")
     if args.step == "losses":
         out = Path(args.out)
         if out.is_dir() or not out.parent.is_dir():

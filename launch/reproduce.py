@@ -43,6 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # run from a checkout without installing: the repo root
+
+from megatron_id.atomic import write_atomic  # noqa: E402
+from megatron_id.evaluation.report import pyplot, save_png  # noqa: E402
+
 REPLICATION = ROOT / "configs" / "replication"
 CONFIGS = [REPLICATION / "model.yaml", REPLICATION / "train.yaml"]
 STUDIES = ("length", "shapes", "mqar", "cube")
@@ -107,9 +112,8 @@ class Run:
     def mark(self, step: str, seconds: float, **extra) -> None:
         with self.lock:
             self.state[step] = {"seconds": round(seconds, 1), **extra}
-            tmp = self.state_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.state, indent=1))
-            os.replace(tmp, self.state_file)
+            text = json.dumps(self.state, indent=1)
+            write_atomic(self.state_file, lambda tmp: tmp.write_text(text))
 
     def forward_signals(self):
         """SIGTERM / SIGINT / SIGUSR1 go to every running step (a training run saves a checkpoint
@@ -196,7 +200,8 @@ def mqar_model(mixer: str, width: int, lr: float) -> str:
 
 def budgets(args) -> dict:
     if args.smoke:
-        return {"long": 8 * args.batch_tokens, "short": 8 * args.batch_tokens, "mqar_steps": 40, "context": 256, "mqar_samples": 64,
+        return {"long": 8 * args.batch_tokens, "short": 8 * args.batch_tokens, "mqar_steps": 40, "context": 256,
+                "mqar_samples": 64,
                 "eval_tokens": 4096 * 2}
     return {"long": args.long_tokens, "short": args.short_tokens, "mqar_steps": args.mqar_steps, "context": 1024,
             "mqar_samples": 1000, "eval_tokens": 32768}
@@ -451,196 +456,256 @@ def within(values: list[float], low: float, high: float) -> str:
     return "**holds**" if all(inside) else ("**does not hold**" if not any(inside) else "**mixed** (seeds disagree)")
 
 
-def write_studies_report(run: Run, args, cells: list[Cell], report: Path, command: str) -> None:
-    out = args.out
-    plots = report.parent / (report.stem + "-plots")
-    plots.mkdir(parents=True, exist_ok=True)
-    results = {c.key: cell_result(out, c) for c in cells}
-    by_model: dict = {}
-    for c in cells:
-        by_model.setdefault((c.study, c.model), []).append(results[c.key])
+class StudyResults:
+    """The studies' eval results, by (study, model): one per seed, in the cells' order; and the
+    figures the report reads off them."""
 
-    def ratios(study, model, factor="3.5"):
+    def __init__(self, args, cells: list[Cell]):
+        self.args = args
+        self.by_model: dict = {}
+        for c in cells:
+            self.by_model.setdefault((c.study, c.model), []).append(cell_result(args.out, c))
+
+    def seeds(self, study: str, model: str) -> list[dict]:
+        return self.by_model.get((study, model), [])
+
+    def ratios(self, study, model, factor="3.5"):
         return [next(x["vs_1x"] for x in r["contexts"] if x["factor"] == float(factor))
-                for r in by_model.get((study, model), [])]
+                for r in self.seeds(study, model)]
 
-    def ppl(study, model, factor="1"):
+    def ppl(self, study, model, factor="1"):
         return [next(x["perplexity"] for x in r["contexts"] if x["factor"] == float(factor))
-                for r in by_model.get((study, model), [])]
+                for r in self.seeds(study, model)]
 
-    def context_use(study, model):
+    def context_use(self, study, model):
         """Nats the mean loss falls from windows of half the training length to windows of the
         whole (the same tokens, cut two ways): what the second half of the context is worth."""
         out = []
-        for r in by_model.get((study, model), []):
+        for r in self.seeds(study, model):
             loss = {x["factor"]: x["loss"] for x in r["contexts"]}
             out.append(loss[0.5] - loss[1.0])
         return out
 
-    def judged(verdict, study, *models):
+    def judged(self, verdict, study, *models):
         """A model that gains (almost) nothing from the far half of its context stays flat past it
         whatever its state does: a claim that it stays flat is then not a test."""
-        if all(v >= CONTEXT_USE for m in models for v in context_use(study, m)):
+        if all(v >= CONTEXT_USE for m in models for v in self.context_use(study, m)):
             return verdict
         return (f"**not testable** (a model gains < {CONTEXT_USE} nats from the second half of its context: "
                 "flat past 1x says nothing)")
 
-    def accuracy(model):
-        return [r["accuracy"] for r in by_model.get(("mqar", model), [])]
+    def accuracy(self, model):
+        return [r["accuracy"] for r in self.seeds("mqar", model)]
 
-    def best_lr(mixer, width):
+    def best_lr(self, mixer, width):
         """The learning rate of the sweep at which `mixer` did best at `width`: the highest mean
         accuracy over seeds, then the lowest mean answer loss (Zoology reports each model at its
         best learning rate); None when no cell ran."""
-        runs = {lr: by_model.get(("mqar", mqar_model(mixer, width, lr)), []) for lr in args.mqar_lrs}
+        runs = {lr: self.seeds("mqar", mqar_model(mixer, width, lr)) for lr in self.args.mqar_lrs}
         runs = {lr: rs for lr, rs in runs.items() if rs}
         if not runs:
             return None
         return max(runs, key=lambda lr: (sum(r["accuracy"] for r in runs[lr]) / len(runs[lr]),
                                          -sum(r["answer_loss"] for r in runs[lr]) / len(runs[lr])))
 
-    train_seconds = {k: v["seconds"] for k, v in run.state.items() if isinstance(v, dict) and "seconds" in v}
-    total = sum(train_seconds.values())
-    b = budgets(args)
-    lines = ["# Replication at CPU scale: the paper's claims over seeds", "",
-             "Generated by `launch/reproduce.py`; every number comes from its `megatron-id eval` results "
-             f"(`{out}/eval/<study>/<cell>/results.json`). The first study (six models at context 256, the cube and "
-             "the perplexity tables) is in [replication-cube.md](replication-cube.md).", "",
-             f"- command: `{command}`",
-             f"- machine: {machine()}",
-             f"- time: {total / 60:.1f} minutes of steps ({args.jobs} at once, so the wall clock was less; "
-             "a resumed run adds its parts)",
-             f"- seeds: {args.seeds} per cell (the seed sets the initialisation and the data order); "
-             "`mean [min, max]` over them everywhere below",
-             f"- budgets: length {b['long']:,} tokens per model at context {b['context']:,}; shapes {b['short']:,} "
-             f"tokens at 256 ({args.batch_tokens:,} tokens per step); mqar {b['mqar_steps']} steps of 64 sequences "
-             f"of {MQAR_CONTEXT} tokens at each learning rate of {', '.join(lr_tag(x) for x in args.mqar_lrs)}", ""]
-    rows = []   # (claim, paper, ours, verdict)
-    L = "length"
-    if any(c.study == L for c in cells):
-        ri, rs, rd = (ratios(L, m) for m in ("interdomain", "softmax", "s4d-only"))
-        rows += [
-            (f"interdomain flat to 3.5x (context {b['context']:,})", "14K/4K: 0.99x", spread(ri) + "x",
-             judged(within(ri, 0, 1.05), L, "interdomain")),
-            (f"softmax (RoPE) rises > 30% at 3.5x (context {b['context']:,})", "14K/4K: 4.37x", spread(rs) + "x",
-             within(rs, 1.30, float("inf"))),
-            ("interdomain's 3.5x / 1x below softmax's", "0.99x < 4.37x", f"{spread(ri)}x vs {spread(rs)}x",
-             below(ri, rs)),
-            (f"S4D-only flat to 3.5x (context {b['context']:,})", "14K/4K: 0.98x", spread(rd) + "x",
-             judged(within(rd, 0, 1.05), L, "s4d-only")),
-            ("interdomain perplexity at 1x below S4D-only's", "14.36 vs 27.24",
-             f"{spread(ppl(L, 'interdomain'), 2)} vs {spread(ppl(L, 's4d-only'), 2)}",
-             below(ppl(L, "interdomain"), ppl(L, "s4d-only")))]
-    S = "shapes"
-    if any(c.study == S for c in cells):
-        for shape in ("dh32", "dh64"):
-            ri, rs = ratios(S, f"interdomain-{shape}"), ratios(S, f"softmax-{shape}")
-            rows.append((f"at 256, {shape.replace('dh', 'd_h ')}: interdomain's 3.5x / 1x below softmax's",
-                         "0.99x < 4.37x (at 4K)", f"{spread(ri)}x vs {spread(rs)}x",
-                         below(ri, rs)))
-        for shape in ("dh32", "dh64"):
-            rows.append((f"at 256, {shape.replace('dh', 'd_h ')}, Delta scaled to the context: interdomain flat "
-                         "to 3.5x", "-", spread(ratios(S, f"interdomain-{shape}-dtscaled")) + "x",
-                         judged(within(ratios(S, f"interdomain-{shape}-dtscaled"), 0, 1.05), S,
-                                f"interdomain-{shape}-dtscaled")))
-        a, c64 = ratios(S, "interdomain-dh32"), ratios(S, "interdomain-dh64")
-        rows.append(("at 256 (the paper's Delta range): d_h 64 extrapolates better than d_h 32 (not a paper claim; "
-                     "the question this study asks)", "-", f"{spread(c64)}x vs {spread(a)}x",
-                     below(c64, a)))
-    if any(c.study == "mqar" for c in cells):
-        for width in args.widths:
-            chosen = {m: best_lr(m, width) for m in MIXERS}
-            acc = {m: accuracy(mqar_model(m, width, lr)) if lr is not None else [] for m, lr in chosen.items()}
-            if not acc["softmax"]:
-                continue
-            if len(args.mqar_lrs) > 1:   # each mixer at its best learning rate: say which
-                acc_label = {m: f" (lr {lr_tag(lr)})" if lr is not None else "" for m, lr in chosen.items()}
-            else:
-                acc_label = {m: "" for m in MIXERS}
-            best = max(sum(a) / len(a) for a in acc.values() if a)
 
-            def learned(verdict):   # an ordering among models that did not learn the task says nothing
-                return verdict if best >= TASK_LEARNED else (
-                    f"**not testable** (no model's mean over seeds reached {TASK_LEARNED:.0%}: not learned reliably at this budget)")
-            def pair(a, b):
-                return f"{spread(acc[a])}{acc_label[a]} vs {spread(acc[b])}{acc_label[b]}"
-            rows.append((f"MQAR at d {width}: softmax above interdomain", "needle 1K: 99.5 > 65.5",
-                         pair("softmax", "interdomain"), learned(below(acc["interdomain"], acc["softmax"]))))
-            rows.append((f"MQAR at d {width}: interdomain above S4D-only", "needle 1K: 65.5 > 0",
-                         pair("interdomain", "s4d-only"), learned(below(acc["s4d-only"], acc["interdomain"]))))
-            if acc["hybrid"]:
-                rows.append((f"MQAR at d {width}: the hybrid (a softmax layer) above interdomain", "- (hybrids: "
-                             "not in the paper)", pair("hybrid", "interdomain"),
-                             learned(below(acc["interdomain"], acc["hybrid"]))))
-    lines += ["## The orderings", "",
-              "A claim about one model holds when every seed meets it; an ordering holds when every seed of one "
-              "model beats every seed of the other, does not hold when the reverse is true, and is a tie otherwise.", "",
-              "| claim | paper | here | verdict |", "|---|---|---|---|"]
-    lines += [f"| {c} | {p} | {o} | {v} |" for c, p, o, v in rows] + [""]
-    for study, title in ((L, f"## Length extrapolation at context {b['context']:,} (two heads of 64, the paper's "
-                          "Delta range)"), (S, "## Head shape and Delta range at context 256")):
+def write_studies_report(run: Run, args, cells: list[Cell], report: Path, command: str) -> None:
+    """The report of the studies' cells (docs/replication.md): the run's facts, the orderings
+    judged over seeds, a section per study with its plot, the steps' seconds."""
+    plots = report.parent / (report.stem + "-plots")
+    plots.mkdir(parents=True, exist_ok=True)
+    results = StudyResults(args, cells)
+    b = budgets(args)
+    studies = {c.study for c in cells}
+    rows = []   # (claim, paper, ours, verdict)
+    if "length" in studies:
+        rows += length_claims(results, b)
+    if "shapes" in studies:
+        rows += shapes_claims(results)
+    if "mqar" in studies:
+        rows += mqar_claims(results, args)
+    lines = report_header(run, args, b, command) + orderings_table(rows)
+    for study, title in (("length", f"## Length extrapolation at context {b['context']:,} (two heads of 64, the "
+                          "paper's Delta range)"), ("shapes", "## Head shape and Delta range at context 256")):
         models = list(dict.fromkeys(c.model for c in cells if c.study == study))
-        if not models:
-            continue
-        lines += [title, "", "Held-out Wikipedia articles (joined, cut into windows); perplexity at 1x and each "
-                  "context's perplexity / 1x's, mean [min, max] over seeds.", "",
-                  "| model | 1x perplexity | context use (nats) | " + " | ".join(f"{f}x / 1x" for f in FACTORS) + " |",
-                  "|" + "---|" * (len(FACTORS) + 3)]
-        for m in models:
-            lines.append(f"| {m} | {spread(ppl(study, m), 2)} | {spread(context_use(study, m))} | " +
-                         " | ".join(spread(ratios(study, m, f)) for f in FACTORS) + " |")
-        lines += ["", f"Context use: how much the mean loss falls from windows of 0.5x to windows of 1x the training "
-                  f"length on the same tokens. Below {CONTEXT_USE} nats a model gains almost nothing from the far half "
-                  "of its context, and its staying flat past 1x is then no test of its state (those claims are marked "
-                  "not testable); softmax's rise is positional and stays a test."]
-        lines += ["", "By position in the longest (4x) windows: loss (nats) per quarter of the training length, "
-                  "mean over seeds; a flat row past 1x is extrapolation.", ""]
-        first = by_model[(study, models[0])][0]["positions"]
-        edges = [(x["start"], x["end"]) for x in first["buckets"]]
-        train_length = by_model[(study, models[0])][0]["train_length"]
-        lines += ["| model | " + " | ".join(f"{s / train_length:g}-{e / train_length:g}x" for s, e in edges) + " |",
-                  "|" + "---|" * (len(edges) + 1)]
-        curves = {}
-        for m in models:
-            per_seed = [[x["loss"] for x in r["positions"]["buckets"]] for r in by_model[(study, m)]]
-            curves[m] = [sum(col) / len(col) for col in zip(*per_seed)]
-            lines.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in curves[m]) + " |")
-        png = plots / f"{study}.png"
-        if draw_length(png, curves, edges, train_length, by_model, study, models):
-            lines += ["", f"![{study}]({plots.name}/{png.name})"]
-        lines.append("")
+        if models:
+            lines += extrapolation_section(results, study, title, models, plots)
     mq = [c for c in cells if c.study == "mqar"]
     if mq:
-        first = cell_result(out, mq[0])["task"]
-        lines += ["## Recall: multi-query associative recall (MQAR)", "",
-                  f"`data.source=mqar`: {first['num_pairs']} key-value pairs then {first['num_queries']} queries in "
-                  f"{first['seq_length'] + 1} tokens, {first['num_keys']} keys and {first['num_values']} values "
-                  f"(chance {1 / first['num_values']:.3f}); 2 layers; accuracy on the task's test split "
-                  f"({b['mqar_samples']:,} sequences); state: the decode state at the task's length (fp32 bytes).", "",
-                  f"Each mixer trained at each learning rate of {', '.join(lr_tag(x) for x in args.mqar_lrs)}; "
-                  "**bold**: its best at that width (highest mean accuracy), the one the orderings and the plot use.",
-                  "", "| model | mixer | layers | state bytes | parameters | lr | accuracy | answer loss |",
-                  "|---|---|---|---|---|---|---|---|"]
-        points = {}
-        for m in dict.fromkeys(c.model for c in mq):
-            rs = by_model[("mqar", m)]
-            kind, rest = m.rsplit("-d", 1)
-            width, lr = int(rest.split("-lr")[0]), next(x for x in args.mqar_lrs if m == mqar_model(kind, int(
-                rest.split("-lr")[0]), x))
-            best = lr == best_lr(kind, width)
-            bold = "**" if best and len(args.mqar_lrs) > 1 else ""
-            lines.append(f"| {m.rsplit('-lr', 1)[0]} | {rs[0]['mixer']} | {rs[0]['layer_pattern']} | "
-                         f"{rs[0]['state_bytes_fp32']:,} | {rs[0]['parameters']:,} | {lr_tag(lr)} | "
-                         f"{bold}{spread([r['accuracy'] for r in rs])}{bold} | {spread([r['answer_loss'] for r in rs])} |")
-            if best:
-                points.setdefault(kind, []).append((rs[0]["state_bytes_fp32"], [r["accuracy"] for r in rs]))
-        png = plots / "mqar.png"
-        if draw_mqar(png, points):
-            lines += ["", f"![mqar]({plots.name}/{png.name})"]
-        lines.append("")
-    lines += ["## Steps and their seconds", "", "| step | seconds |", "|---|---|"]
-    lines += [f"| {k} | {v:.0f} |" for k, v in train_seconds.items()] + [""]
+        lines += mqar_section(results, args, mq, b, plots)
+    lines += steps_table(run)
     write_with_notes(report, lines)
+
+
+def step_seconds(run: Run) -> dict:
+    return {k: v["seconds"] for k, v in run.state.items() if isinstance(v, dict) and "seconds" in v}
+
+
+def report_header(run: Run, args, b: dict, command: str) -> list[str]:
+    """The title, where the numbers come from, and the run's command, machine, time, seeds and budgets."""
+    total = sum(step_seconds(run).values())
+    return ["# Replication at CPU scale: the paper's claims over seeds", "",
+            "Generated by `launch/reproduce.py`; every number comes from its `megatron-id eval` results "
+            f"(`{args.out}/eval/<study>/<cell>/results.json`). The first study (six models at context 256, the cube "
+            "and the perplexity tables) is in [replication-cube.md](replication-cube.md).", "",
+            f"- command: `{command}`",
+            f"- machine: {machine()}",
+            f"- time: {total / 60:.1f} minutes of steps ({args.jobs} at once, so the wall clock was less; "
+            "a resumed run adds its parts)",
+            f"- seeds: {args.seeds} per cell (the seed sets the initialisation and the data order); "
+            "`mean [min, max]` over them everywhere below",
+            f"- budgets: length {b['long']:,} tokens per model at context {b['context']:,}; shapes {b['short']:,} "
+            f"tokens at 256 ({args.batch_tokens:,} tokens per step); mqar {b['mqar_steps']} steps of 64 sequences "
+            f"of {MQAR_CONTEXT} tokens at each learning rate of {', '.join(lr_tag(x) for x in args.mqar_lrs)}", ""]
+
+
+def length_claims(results: StudyResults, b: dict) -> list[tuple]:
+    """The paper's length-extrapolation claims at the length study's context."""
+    L = "length"
+    ri, rs, rd = (results.ratios(L, m) for m in ("interdomain", "softmax", "s4d-only"))
+    ppl_i, ppl_d = results.ppl(L, "interdomain"), results.ppl(L, "s4d-only")
+    return [
+        (f"interdomain flat to 3.5x (context {b['context']:,})", "14K/4K: 0.99x", spread(ri) + "x",
+         results.judged(within(ri, 0, 1.05), L, "interdomain")),
+        (f"softmax (RoPE) rises > 30% at 3.5x (context {b['context']:,})", "14K/4K: 4.37x", spread(rs) + "x",
+         within(rs, 1.30, float("inf"))),
+        ("interdomain's 3.5x / 1x below softmax's", "0.99x < 4.37x", f"{spread(ri)}x vs {spread(rs)}x",
+         below(ri, rs)),
+        (f"S4D-only flat to 3.5x (context {b['context']:,})", "14K/4K: 0.98x", spread(rd) + "x",
+         results.judged(within(rd, 0, 1.05), L, "s4d-only")),
+        ("interdomain perplexity at 1x below S4D-only's", "14.36 vs 27.24",
+         f"{spread(ppl_i, 2)} vs {spread(ppl_d, 2)}", below(ppl_i, ppl_d))]
+
+
+def shapes_claims(results: StudyResults) -> list[tuple]:
+    """At context 256: interdomain against softmax at both head sizes, the scaled Delta range, and
+    d_h 64 against d_h 32."""
+    S, rows = "shapes", []
+    for shape in ("dh32", "dh64"):
+        ri, rs = results.ratios(S, f"interdomain-{shape}"), results.ratios(S, f"softmax-{shape}")
+        rows.append((f"at 256, {shape.replace('dh', 'd_h ')}: interdomain's 3.5x / 1x below softmax's",
+                     "0.99x < 4.37x (at 4K)", f"{spread(ri)}x vs {spread(rs)}x", below(ri, rs)))
+    for shape in ("dh32", "dh64"):
+        scaled = results.ratios(S, f"interdomain-{shape}-dtscaled")
+        rows.append((f"at 256, {shape.replace('dh', 'd_h ')}, Delta scaled to the context: interdomain flat "
+                     "to 3.5x", "-", spread(scaled) + "x",
+                     results.judged(within(scaled, 0, 1.05), S, f"interdomain-{shape}-dtscaled")))
+    a, c64 = results.ratios(S, "interdomain-dh32"), results.ratios(S, "interdomain-dh64")
+    rows.append(("at 256 (the paper's Delta range): d_h 64 extrapolates better than d_h 32 (not a paper claim; "
+                 "the question this study asks)", "-", f"{spread(c64)}x vs {spread(a)}x", below(c64, a)))
+    return rows
+
+
+def mqar_claims(results: StudyResults, args) -> list[tuple]:
+    """The recall orderings at each width, each mixer at its best learning rate; not testable
+    where no model learned the task."""
+    rows = []
+    for width in args.widths:
+        chosen = {m: results.best_lr(m, width) for m in MIXERS}
+        acc = {m: results.accuracy(mqar_model(m, width, lr)) if lr is not None else [] for m, lr in chosen.items()}
+        if not acc["softmax"]:
+            continue
+        if len(args.mqar_lrs) > 1:   # each mixer at its best learning rate: say which
+            acc_label = {m: f" (lr {lr_tag(lr)})" if lr is not None else "" for m, lr in chosen.items()}
+        else:
+            acc_label = {m: "" for m in MIXERS}
+        best = max(sum(a) / len(a) for a in acc.values() if a)
+
+        def learned(verdict, best=best):   # an ordering among models that did not learn the task says nothing
+            return verdict if best >= TASK_LEARNED else (
+                f"**not testable** (no model's mean over seeds reached {TASK_LEARNED:.0%}: not learned reliably at "
+                "this budget)")
+
+        def pair(a, b, acc=acc, acc_label=acc_label):
+            return f"{spread(acc[a])}{acc_label[a]} vs {spread(acc[b])}{acc_label[b]}"
+        rows.append((f"MQAR at d {width}: softmax above interdomain", "needle 1K: 99.5 > 65.5",
+                     pair("softmax", "interdomain"), learned(below(acc["interdomain"], acc["softmax"]))))
+        rows.append((f"MQAR at d {width}: interdomain above S4D-only", "needle 1K: 65.5 > 0",
+                     pair("interdomain", "s4d-only"), learned(below(acc["s4d-only"], acc["interdomain"]))))
+        if acc["hybrid"]:
+            rows.append((f"MQAR at d {width}: the hybrid (a softmax layer) above interdomain", "- (hybrids: "
+                         "not in the paper)", pair("hybrid", "interdomain"),
+                         learned(below(acc["interdomain"], acc["hybrid"]))))
+    return rows
+
+
+def orderings_table(rows: list[tuple]) -> list[str]:
+    return ["## The orderings", "",
+            "A claim about one model holds when every seed meets it; an ordering holds when every seed of one "
+            "model beats every seed of the other, does not hold when the reverse is true, and is a tie otherwise.", "",
+            "| claim | paper | here | verdict |", "|---|---|---|---|",
+            *(f"| {c} | {p} | {o} | {v} |" for c, p, o, v in rows), ""]
+
+
+def extrapolation_section(results: StudyResults, study: str, title: str, models: list, plots: Path) -> list[str]:
+    """A length or shapes study: perplexity at 1x and each context's ratio to it, the context
+    use, the loss by position in the longest windows, and their plot."""
+    lines = [title, "", "Held-out Wikipedia articles (joined, cut into windows); perplexity at 1x and each "
+             "context's perplexity / 1x's, mean [min, max] over seeds.", "",
+             "| model | 1x perplexity | context use (nats) | " + " | ".join(f"{f}x / 1x" for f in FACTORS) + " |",
+             "|" + "---|" * (len(FACTORS) + 3)]
+    for m in models:
+        lines.append(f"| {m} | {spread(results.ppl(study, m), 2)} | {spread(results.context_use(study, m))} | " +
+                     " | ".join(spread(results.ratios(study, m, f)) for f in FACTORS) + " |")
+    lines += ["", f"Context use: how much the mean loss falls from windows of 0.5x to windows of 1x the training "
+              f"length on the same tokens. Below {CONTEXT_USE} nats a model gains almost nothing from the far half "
+              "of its context, and its staying flat past 1x is then no test of its state (those claims are marked "
+              "not testable); softmax's rise is positional and stays a test."]
+    lines += ["", "By position in the longest (4x) windows: loss (nats) per quarter of the training length, "
+              "mean over seeds; a flat row past 1x is extrapolation.", ""]
+    first = results.seeds(study, models[0])[0]
+    edges = [(x["start"], x["end"]) for x in first["positions"]["buckets"]]
+    train_length = first["train_length"]
+    lines += ["| model | " + " | ".join(f"{s / train_length:g}-{e / train_length:g}x" for s, e in edges) + " |",
+              "|" + "---|" * (len(edges) + 1)]
+    curves = {}
+    for m in models:
+        per_seed = [[x["loss"] for x in r["positions"]["buckets"]] for r in results.seeds(study, m)]
+        curves[m] = [sum(col) / len(col) for col in zip(*per_seed)]
+        lines.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in curves[m]) + " |")
+    png = plots / f"{study}.png"
+    if draw_length(png, curves, edges, train_length, results.by_model, study, models):
+        lines += ["", f"![{study}]({plots.name}/{png.name})"]
+    lines.append("")
+    return lines
+
+
+def mqar_section(results: StudyResults, args, mq: list[Cell], b: dict, plots: Path) -> list[str]:
+    """The MQAR study: the task, every model at every learning rate (its best in bold), and the
+    plot of accuracy against the decode state."""
+    first = cell_result(args.out, mq[0])["task"]
+    lines = ["## Recall: multi-query associative recall (MQAR)", "",
+             f"`data.source=mqar`: {first['num_pairs']} key-value pairs then {first['num_queries']} queries in "
+             f"{first['seq_length'] + 1} tokens, {first['num_keys']} keys and {first['num_values']} values "
+             f"(chance {1 / first['num_values']:.3f}); 2 layers; accuracy on the task's test split "
+             f"({b['mqar_samples']:,} sequences); state: the decode state at the task's length (fp32 bytes).", "",
+             f"Each mixer trained at each learning rate of {', '.join(lr_tag(x) for x in args.mqar_lrs)}; "
+             "**bold**: its best at that width (highest mean accuracy), the one the orderings and the plot use.",
+             "", "| model | mixer | layers | state bytes | parameters | lr | accuracy | answer loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    points = {}
+    for m in dict.fromkeys(c.model for c in mq):
+        rs = results.seeds("mqar", m)
+        kind, rest = m.rsplit("-d", 1)
+        width = int(rest.split("-lr")[0])
+        lr = next(x for x in args.mqar_lrs if m == mqar_model(kind, width, x))
+        best = lr == results.best_lr(kind, width)
+        bold = "**" if best and len(args.mqar_lrs) > 1 else ""
+        lines.append(f"| {m.rsplit('-lr', 1)[0]} | {rs[0]['mixer']} | {rs[0]['layer_pattern']} | "
+                     f"{rs[0]['state_bytes_fp32']:,} | {rs[0]['parameters']:,} | {lr_tag(lr)} | "
+                     f"{bold}{spread([r['accuracy'] for r in rs])}{bold} | {spread([r['answer_loss'] for r in rs])} |")
+        if best:
+            points.setdefault(kind, []).append((rs[0]["state_bytes_fp32"], [r["accuracy"] for r in rs]))
+    png = plots / "mqar.png"
+    if draw_mqar(png, points):
+        lines += ["", f"![mqar]({plots.name}/{png.name})"]
+    lines.append("")
+    return lines
+
+
+def steps_table(run: Run) -> list[str]:
+    return (["## Steps and their seconds", "", "| step | seconds |", "|---|---|"] +
+            [f"| {k} | {v:.0f} |" for k, v in step_seconds(run).items()] + [""])
 
 
 def machine() -> str:
@@ -656,23 +721,11 @@ def write_with_notes(report: Path, lines: list) -> None:
     if notes.is_file():   # the analysis written by hand after a run: kept beside the generated part
         lines += [notes.read_text()]
     report.parent.mkdir(parents=True, exist_ok=True)
-    tmp = report.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, report)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        return None
+    write_atomic(report, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
 def draw_length(path: Path, curves: dict, edges, train_length: int, by_model: dict, study: str, models) -> bool:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -690,14 +743,12 @@ def draw_length(path: Path, curves: dict, edges, train_length: int, by_model: di
     for ax in (a, b):
         ax.axvline(1.0, color="grey", lw=0.5)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    save_png(plt, fig, path)
     return True
 
 
 def draw_mqar(path: Path, points: dict) -> bool:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -716,9 +767,7 @@ def draw_mqar(path: Path, points: dict) -> bool:
     ax.set_xlim(min(states) / 2, max(states) * 2)   # one width alone would zoom onto the side-by-side offsets
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    save_png(plt, fig, path)
     return True
 
 
@@ -735,7 +784,8 @@ def cube_study(run: Run, args, py: str, tokenizer: Path, data: Path, val: Path, 
                      "seed=1234", *(["train.save_interval=10", "train.log_interval=5"] if args.smoke else []),
                      *CUBE_MODELS[name]]
             config = [a for c in CONFIGS for a in ("--config", str(c))]
-            run.call([py, "-m", "megatron_id.cli", "train", *config, *items], args.out / "logs" / "cube" / f"{name}.log")
+            run.call([py, "-m", "megatron_id.cli", "train", *config, *items],
+                     args.out / "logs" / "cube" / f"{name}.log")
             latest = (save / "latest").read_text().strip()
             if latest != f"iter_{steps:07d}":
                 raise SystemExit(f"reproduce: error: {name} stopped at {latest} of {steps} steps (signalled?): "
@@ -806,7 +856,8 @@ def write_cube_report(run: Run, args, sources: dict, report: Path, steps: int, c
                                                                                                  "preprocess")))
     lines += ["# Replication at CPU scale: the first study (the cube, one seed)", "",
               "Generated by `launch/reproduce.py --study cube`; every number below comes from its `megatron-id eval` "
-              f"results (`{out}/eval/cube/*/results.json`). The claims over seeds: [replication.md](replication.md).", "",
+              f"results (`{out}/eval/cube/*/results.json`). The claims over seeds: "
+              "[replication.md](replication.md).", "",
               f"- command: `{command}`",
               f"- machine: {machine()}",
               f"- time: {seconds / 60:.1f} minutes in all (steps below; a resumed run adds its parts)",
@@ -826,9 +877,11 @@ def write_cube_report(run: Run, args, sources: dict, report: Path, steps: int, c
     fmt = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"   # noqa: E731
     lines += ["", "## The orderings", "",
               "| ordering (paper) | here | verdict |", "|---|---|---|",
-              f"| interdomain perplexity below S4D-only (16.48 vs 19.22 at 125M) | {fmt(i)} vs {fmt(s4)} | {verdict(o1)} |",
+              f"| interdomain perplexity below S4D-only (16.48 vs 19.22 at 125M) | {fmt(i)} vs {fmt(s4)} | "
+              f"{verdict(o1)} |",
               f"| removing the query readout hurts more than removing the dual input (+3.70 vs +0.46) | "
-              f"+{fmt(None if None in (nq, i) else nq - i)} vs +{fmt(None if None in (si, i) else si - i)} | {verdict(o2)} |",
+              f"+{fmt(None if None in (nq, i) else nq - i)} vs +{fmt(None if None in (si, i) else si - i)} | "
+              f"{verdict(o2)} |",
               f"| interdomain at 3.5x within 5% of 1x, softmax rising > 30% (1.3B at 4K: 0.99x vs 4.37x) | "
               f"{fmt(ri, 3)}x vs {fmt(rs, 3)}x | {verdict(o3)} |",
               f"| recall: softmax > interdomain > S4D-only (needle 1K: 99.5 > 65.5 > 0) | "

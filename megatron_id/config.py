@@ -7,7 +7,8 @@ overrides are merged on top, in that order:
 
 An unknown key, a wrong type or an invalid value raises ConfigError naming the key, the value,
 where it came from and how to fix it. Switches left at None are resolved per mixer by
-`resolve` (see MIXER_DEFAULTS).
+`resolve` from each mixer's row of MIXER_SPECS (model/spec.py, which holds the `model`
+section: ModelConfig and its enums, re-exported here).
 """
 from __future__ import annotations
 
@@ -24,69 +25,9 @@ from typing import Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .data.gpt_dataset import Verify   # numpy-only: the data checks' modes
+from .data.gpt_dataset import Verify  # numpy-only: the data checks' modes
 from .errors import UserError
-from .model.pattern import LAYER_KINDS   # torch-free: the layer letters (model/__init__ imports lazily)
-
-
-class Mixer(str, Enum):
-    interdomain = "interdomain"   # the paper's: S4D state over keys and values, read by each query
-    softmax = "softmax"           # causal softmax attention with RoPE (the baseline)
-    s4d = "s4d"                   # S4D-only: interdomain without its two ingredients (the control)
-    hybrid = "hybrid"   # more than one kind of layer: model.layer_pattern says which (model/pattern.py)
-
-
-class Readout(str, Enum):
-    hermitian = "hermitian"   # conj(xi(q) . U) Gamma: a Parseval inner product of the coefficients
-    plain = "plain"           # without the conjugate (the ablation)
-
-
-class CoreImpl(str, Enum):
-    """How the interdomain / S4D core is computed in training (ops/interdomain/chunked.py)."""
-    auto = "auto"             # triton on CUDA when installed; else recompute from 16K tokens on
-    autograd = "autograd"     # chunked, autograd keeps every intra-chunk tensor
-    recompute = "recompute"   # chunked, backward recomputes segment by segment (bounded memory)
-    triton = "triton"         # the fused Triton kernels (ops/interdomain/triton_chunked.py), forced
-
-
-@dataclass
-class ModelConfig:
-    mixer: Mixer = Mixer.interdomain  # the sequence mixer of every layer (model.layer_pattern mixes them)
-    # one letter per layer, I interdomain / S S4D-only / A softmax / W sliding-window softmax, |
-    # a pipeline-stage boundary (model/pattern.py). None: model.mixer's letter on every layer.
-    # Given, it decides the mixers and model.mixer becomes the one it uses, or hybrid
-    layer_pattern: Optional[str] = None
-    window: Optional[int] = None      # tokens a W layer's query sees (itself included)
-    vocab_size: int = 32000           # the tokenizer's; padded for TP (make_vocab_size_divisible_by)
-    d_model: int = 768                # width of the residual stream
-    n_layers: int = 12                # blocks (mixer + SwiGLU), pre-norm
-    n_heads: int = 12                 # heads of every mixer; head width d_model / n_heads
-    seq_length: int = 4096            # training context; the model itself has no length limit
-    ffn_hidden: Optional[int] = None  # None: ceil((8 d / 3) / ffn_multiple_of) * ffn_multiple_of
-    ffn_multiple_of: int = 128        # the SwiGLU hidden width is rounded up to a multiple of it
-    norm_eps: float = 1e-6            # RMSNorm's epsilon
-    init_std: float = 0.02            # N(0, std) weights; residual output projections std/sqrt(2L)
-    rope_theta: float = 10000.0       # RoPE's base
-    state_size: int = 64              # M, basis functions (modes) per head of the interdomain / S4D core
-    conv_kernel: int = 4              # short causal depthwise conv
-    chunk_size: int = 64              # T of the chunked training form
-    core_impl: CoreImpl = CoreImpl.auto   # how the core is computed in training (same function)
-    # Delta's initial range, log-uniform per head (the paper's 1e-3..1e-1). With A's real part
-    # at -1/2, the slowest mode forgets over ~2/dt_min tokens (2,000 at the paper's value, half
-    # its 4K context); a run at a much shorter context may scale it (docs/replication.md)
-    dt_min: float = 1e-3
-    dt_max: float = 1e-1              # the upper end of Delta's initial range
-    # the ablation cube; None means "the mixer's default" (MIXER_DEFAULTS)
-    query_readout: Optional[bool] = None   # queries read the state through a feature map (off: a contraction)
-    dual_kv_input: Optional[bool] = None   # keys and values from their own projections (interdomain)
-    rope: Optional[bool] = None       # RoPE on queries and keys
-    readout: Readout = Readout.hermitian   # how complex key and value coefficients meet
-    output_gate: bool = False         # o <- o * SiLU(x W_g) before W_O (off in the paper)
-    # the LM head reuses the input embedding matrix [our choice: off, as in the paper's counts]
-    tie_embeddings: bool = False
-    # tensor parallelism pads the vocabulary to a multiple of this x TP (Megatron's rule); the
-    # padded logits are masked out of the loss, so padding never changes the model's function
-    make_vocab_size_divisible_by: int = 128
+from .model.spec import LETTER_MIXERS, MIXER_SPECS, CoreImpl, Mixer, ModelConfig, Readout, ffn_hidden_size  # noqa: F401
 
 
 @dataclass
@@ -300,23 +241,6 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 42                    # initialisation, the data order and MQAR's generated samples
-
-
-# s4d is the interdomain mixer with both ingredients removed; the paper's S4D-only control has
-# no RoPE ("S4D-only + RoPE" is a separate cube cell), so rope defaults to off for it.
-MIXER_DEFAULTS = {
-    Mixer.interdomain: dict(query_readout=True, dual_kv_input=True, rope=True),
-    Mixer.s4d: dict(query_readout=False, dual_kv_input=False, rope=False),
-    Mixer.softmax: dict(query_readout=None, dual_kv_input=None, rope=True),
-    # a hybrid's switches are its interdomain layers' (the others' are fixed: model/pattern.py)
-    Mixer.hybrid: dict(query_readout=True, dual_kv_input=True, rope=True),
-}
-# switches that a mixer fixes: setting them to anything else is a contradiction
-MIXER_FIXED = {
-    Mixer.s4d: dict(query_readout=False, dual_kv_input=False),
-    Mixer.softmax: dict(query_readout=None, dual_kv_input=None, output_gate=False,
-                        readout=Readout.hermitian),
-}
 
 
 class ConfigError(UserError, ValueError):
@@ -619,25 +543,20 @@ def _as_list_override(item: str) -> str:
     return item
 
 
-def ffn_hidden_size(m: ModelConfig) -> int:
-    if m.ffn_hidden is not None:
-        return m.ffn_hidden
-    return math.ceil((8 * m.d_model / 3) / m.ffn_multiple_of) * m.ffn_multiple_of
-
-
 def resolve(cfg: Config, given=None) -> Config:
     """Fill mixer-dependent defaults and check the values that types alone cannot. `given`:
     the keys a file or override set (load_config), to tell a chosen model.mixer from the default."""
     m = cfg.model
     _resolve_pattern(m, given)
-    for key, fixed in MIXER_FIXED.get(m.mixer, {}).items():
+    spec = MIXER_SPECS[m.mixer]
+    for key, fixed in spec.fixed.items():
         value = getattr(m, key)
         if value is not None and value != fixed:
             raise ConfigError(
                 f"model.{key}={getattr(value, 'value', value)} contradicts model.mixer={m.mixer.value}, "
                 f"which fixes it to {getattr(fixed, 'value', fixed)}; use model.mixer=interdomain "
                 f"to change {key}.")
-    for key, default in MIXER_DEFAULTS[m.mixer].items():
+    for key, default in spec.defaults.items():
         if getattr(m, key) is None:
             setattr(m, key, default)
     checks = [
@@ -669,8 +588,9 @@ def resolve(cfg: Config, given=None) -> Config:
     return cfg
 
 
-PATTERN_LETTERS = {letter: Mixer(kind.mixer) for letter, kind in LAYER_KINDS.items()}
-LETTERS_SAID = ", ".join(f"{letter} ({kind.name})" for letter, kind in LAYER_KINDS.items())
+PATTERN_LETTERS = {letter: Mixer(mixer) for letter, mixer in LETTER_MIXERS.items()}
+LETTERS_SAID = ", ".join(f"{letter} ({MIXER_SPECS[mixer].letters[letter].name})"
+                         for letter, mixer in LETTER_MIXERS.items())
 
 
 def _resolve_pattern(m: ModelConfig, given) -> None:
@@ -743,7 +663,8 @@ def _check_ranges(cfg: Config) -> None:
         ("train.peak_tflops", t.peak_tflops, t.peak_tflops > 0, "must be positive (per device, for MFU)"),
         ("train.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, t.max_nonfinite_in_a_row >= 0,
          "must be >= 0 (0: never stop)"),
-        ("train.profile.start_step", t.profile.start_step, t.profile.start_step >= 1, "must be at least 1 (the first step)"),
+        ("train.profile.start_step", t.profile.start_step, t.profile.start_step >= 1,
+         "must be at least 1 (the first step)"),
         ("train.profile.steps", t.profile.steps, t.profile.steps >= 1, "must be at least 1"),
         ("train.collective_timeout_minutes", t.collective_timeout_minutes,
          0 < t.collective_timeout_minutes and math.isfinite(t.collective_timeout_minutes),

@@ -5,7 +5,8 @@
 
 config.md comes from the omegaconf schema (megatron_id/config.py): every key with its type,
 default, allowed values (the enums, and the rules `resolve` checks, read from its source), its
-meaning (the comment beside or above the field) and the nearest Megatron-LM flag / GPT-NeoX key.
+meaning (the comment beside or above the field; a mixer's: its row's `meaning` in model/spec.py)
+and the nearest Megatron-LM flag / GPT-NeoX key.
 cli.md comes from the argparse parsers of every command. tests/test_docs.py fails when either
 page differs from what this module writes now (NeoX's configs/neox_arguments.md is generated
 from its argument classes in the same spirit).
@@ -25,6 +26,8 @@ from enum import Enum
 from pathlib import Path
 
 from . import config as config_module
+from .atomic import write_atomic_text
+from .model import spec as spec_module
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"config": ROOT / "docs" / "reference" / "config.md", "cli": ROOT / "docs" / "reference" / "cli.md"}
@@ -206,6 +209,11 @@ def schema_keys() -> list[Key]:
     source = Path(config_module.__file__).read_text()
     tree = ast.parse(source)
     comments = _comments_by_field(source, tree)
+    # the `model` section and its enums are model/spec.py's (config.py re-exports them)
+    spec_source = Path(spec_module.__file__).read_text()
+    comments.update(_comments_by_field(spec_source, ast.parse(spec_source)))
+    # model.mixer's values are MIXER_SPECS' rows (its Mixer enum is made from them): each row's meaning
+    comments.update({("Mixer", name): row.meaning for name, row in spec_module.MIXER_SPECS.items()})
     out: list[Key] = []
 
     def walk(cls, prefix):
@@ -257,7 +265,8 @@ def config_page() -> str:
         doc = docs.get(section).__doc__ if section in docs else None
         if doc and not doc.startswith(docs[section].__name__ + "("):   # dataclasses invent one when none is written
             lines += [" ".join(doc.split()), ""]
-        lines += ["| key | type | default | allowed | meaning | Megatron-LM | GPT-NeoX |", "|---|---|---|---|---|---|---|"]
+        lines += ["| key | type | default | allowed | meaning | Megatron-LM | GPT-NeoX |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| `{k.name}` | {k.type} | `{_cell(k.default)}` | {_cell(k.allowed)} | {_cell(k.meaning)} | "
                   f"{_cell(k.megatron)} | {_cell(k.neox)} |" for k in items]
         lines.append("")
@@ -280,7 +289,9 @@ def _load_script(path: Path):
 def parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     """(how it is run, its parser) for every command; megatron-id's subcommands that hand over to
     another parser (preprocess, kernel-resources) are listed under that parser."""
-    from data_tools import inspect as data_inspect, merge, preprocess, train_tokenizer
+    from data_tools import inspect as data_inspect
+    from data_tools import merge, preprocess, train_tokenizer
+
     from .cli import build_parser
     from .ops.interdomain.resources import build_parser as resources_parser
     out = [("megatron-id", build_parser()), ("megatron-id preprocess", preprocess.build_parser()),
@@ -387,9 +398,7 @@ def main(argv=None) -> int:
             stale.append(_relative(path))
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".md.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_atomic_text(path, text)
         print(f"wrote {_relative(path)}")
     if stale:
         print(f"out of date: {', '.join(stale)}: run python -m megatron_id.reference", file=sys.stderr)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from conftest import CONFIGS, ROOT
+
 from megatron_id.checkpoint.files import ClientState, model_config_dict
 from megatron_id.checkpoint.read import write_weights_only
 from megatron_id.config import load_config

@@ -19,7 +19,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from test_quickstart import tracked_copy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +39,8 @@ def apply_step(root: Path, step: dict) -> None:
     going stale, and says where."""
     target = root / step["path"]
     if step["kind"] == "new":
-        assert not target.exists(), f"{GUIDE.name}: '{step['path']}' exists already: the page adds files, never replaces them"
+        assert not target.exists(), (f"{GUIDE.name}: '{step['path']}' exists already: the page adds files, "
+                                     f"never replaces them")
         target.write_text(step["body"])
         return
     lines = target.read_text().splitlines(keepends=True)
@@ -77,9 +77,13 @@ def _python(clone: Path, code: str, timeout: int = 300) -> str:
 def test_the_page_has_the_steps_of_a_whole_mixer():
     steps = guide_steps(GUIDE.read_text())
     kinds = [(s["kind"], s["path"]) for s in steps]
-    assert ("new", "megatron_id/model/mixers/ema.py") in kinds
-    for path in ("megatron_id/config.py", "megatron_id/model/pattern.py", "megatron_id/model/mixers/__init__.py"):
-        assert ("after", path) in kinds
+    # the module (which registers itself, @mixer_module) and one row of MIXER_SPECS in model/spec.py:
+    # nothing else is edited (the Mixer enum, config.py and model/pattern.py derive from the row,
+    # model/mixers/__init__.py imports every module of its folder)
+    assert [(kind, path) for kind, path in kinds if kind != "run"] == [
+        ("new", "megatron_id/model/mixers/ema.py"), ("after", "megatron_id/model/spec.py")]
+    row = next(s["body"] for s in steps if s["kind"] == "after")
+    assert row.startswith('    "ema": MixerSpec(') and row.rstrip().endswith(")),")   # one row of the table
     assert [s for s in steps if s["kind"] == "run"]
 
 

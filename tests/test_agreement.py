@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bad_inputs import refused, run_module
 from conftest import CONFIGS, ROOT
 from distributed import run_distributed
+
 from megatron_id.config import ConfigError, load_config
 
 TINY = str(CONFIGS / "model" / "tiny.yaml")
@@ -182,6 +182,7 @@ def test_commands_refuse_another_tokenizer_for_the_model(trained, other, tmp_pat
 @pytest.mark.slow
 def test_the_export_and_import_carry_the_identity(trained, other, tmp_path):
     import json
+
     from megatron_id.checkpoint.files import read_client_state
     from megatron_id.checkpoint.read import checkpoint_folder
     from megatron_id.data.tokenizer import identity_of_file
@@ -242,7 +243,7 @@ def _wait_for_step(proc, log: Path, step: int, timeout: float = 240):
 
 @pytest.mark.slow
 def test_sigterm_to_a_plain_run_says_stopped_and_exits_3(fineweb_prefix, tmp_path):
-    from megatron_id.cli import STOPPED_EXIT_STATUS
+    from megatron_id.training.launcher import STOPPED_EXIT_STATUS
     ckpt, log = tmp_path / "ckpt", tmp_path / "log"
     items = train_items(fineweb_prefix, "train.train_tokens=1000000", "train.log_interval=1",
                         f"train.save={ckpt}", "train.save_interval=100000")

@@ -73,8 +73,10 @@ def test_the_mixer_with_documents_never_builds_an_n_by_n_mask(monkeypatch):
     """The softmax mixer's training forward with packed documents (and a W layer's window):
     every mask SDPA sees has at most BLOCK query rows, and the output equals the dense form's."""
     from conftest import CONFIGS
+
     from megatron_id.config import load_config
-    from megatron_id.model.mixers import SoftmaxAttention, softmax as softmax_module
+    from megatron_id.model.mixers import SoftmaxAttention
+    from megatron_id.model.mixers import softmax as softmax_module
     N = 700
     x = torch.randn(2, N, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     seq = torch.zeros(2, N, dtype=torch.long)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fused_decode import VOCAB, tiny
 
 from megatron_id.errors import BadOptionError
-from megatron_id.generation import generate_ids
 from megatron_id.inference.batching import ContinuousBatcher, Request, generate_batch
-from test_fused_decode import VOCAB, tiny
+from megatron_id.inference.generate import generate_ids
 
 
 def prompts(n=7, seed=0):

@@ -3,12 +3,11 @@ plan options, an override given twice (a warning), --config after the overrides,
 ranges and empty texts, quickstart's arguments, and a CPU run planned above the host's memory."""
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
-
 from bad_inputs import refused, run_module, snapshot
 from conftest import CONFIGS, ROOT
+
 from megatron_id.config import ConfigError, load_config
 
 TINY = str(CONFIGS / "model" / "tiny.yaml")
@@ -83,19 +82,22 @@ def test_an_empty_latest_is_named(tmp_path):
 
 def test_eval_names_the_empty_file_and_the_ranges(tmp_path):
     import argparse
+
     from megatron_id.evaluation.run import EvalError, check_args, read_documents
     (tmp_path / "empty.txt").write_text("\n  \n")
     with pytest.raises(EvalError, match=rf"--text {tmp_path / 'empty.txt'}: the file is empty"):
         read_documents([tmp_path / "empty.txt"])
     parser = argparse.ArgumentParser()
-    from megatron_id.evaluation import run
+    from megatron_id.commands import eval as eval_command
     sub = parser.add_subparsers(dest="command")
-    run.add_parser(sub)
+    eval_command.add_parser(sub)
     for argv, mention in (
             (["eval", "length", "--checkpoint", "x", "--text", "t.txt", "--factors", "1", "0"],
              r"--factors 0.0 is out of range: it must be more than 0"),
-            (["eval", "perplexity", "--checkpoint", "x", "--count", "0"], r"--count 0 is out of range: it must be at least 1"),
-            (["eval", "recall", "--checkpoint", "x", "--depths", "1.5"], r"--depths 1.5 is out of range: it must be from 0 to 1")):
+            (["eval", "perplexity", "--checkpoint", "x", "--count", "0"],
+             r"--count 0 is out of range: it must be at least 1"),
+            (["eval", "recall", "--checkpoint", "x", "--depths", "1.5"],
+             r"--depths 1.5 is out of range: it must be from 0 to 1")):
         with pytest.raises(EvalError, match=mention):
             check_args(parser.parse_args(argv))
 
@@ -170,7 +172,8 @@ def test_config_files_that_are_not_configs_are_named(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(ConfigError, match=mention):
             load_config([tmp_path / name])
-    with pytest.raises(ConfigError, match=r"gpt2-tokenizer.json is a tokenizer \(tokenizer.json\), not a megatron_id config"):
+    with pytest.raises(ConfigError,
+                       match=r"gpt2-tokenizer.json is a tokenizer \(tokenizer.json\), not a megatron_id config"):
         load_config([ROOT / "tests" / "data" / "gpt2-tokenizer.json"])
     with pytest.raises(ConfigError, match=r"config file '.*configs/model' is a folder: give a YAML file in it, e.g. "):
         load_config([CONFIGS / "model"])

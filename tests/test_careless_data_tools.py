@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bad_inputs import refused, run_module
 from conftest import ROOT
+
 from data_tools import inspect as inspect_tool
 from data_tools import train_tokenizer as train_tool
 from data_tools.preprocess import main as preprocess_main
@@ -148,7 +148,8 @@ def test_merge_refuses_an_input_given_twice_and_an_output_that_is_an_input(data,
     # the same dataset spelled two ways (without _text_document, through a symlinked folder)
     os.symlink(tmp_path / "data", tmp_path / "link")
     refused([MERGE, tmp_path / "merged", tmp_path / "data" / "corpus", tmp_path / "link" / "corpus_text_document.bin"],
-            unchanged=[tmp_path], mention=r"is given twice \(as .*data/corpus and as .*link/corpus_text_document\.bin\)")
+            unchanged=[tmp_path],
+            mention=r"is given twice \(as .*data/corpus and as .*link/corpus_text_document\.bin\)")
     # the output is one of the inputs: refused even with --overwrite (it would replace what it reads)
     for output in (pair, tmp_path / "link" / "corpus_text_document"):
         refused([MERGE, output, other, pair, "--overwrite"], unchanged=[tmp_path],
@@ -162,7 +163,8 @@ def test_inspect_refuses_a_tokenizer_other_than_the_recorded_one(data, capsys):
     refused([INSPECT, data["gpt2"], "--tokenizer", data["tiny"], "--doc", "0"], unchanged=[data["folder"]],
             mention=rf"inspect: error: dataset .*gpt2_text_document was made with tokenizer {ID} \(.*gpt2-tokenizer"
                     rf"\.json\) but --tokenizer .*tiny/tokenizer\.json with tokenizer {ID}: .*Pass the tokenizer the "
-                    rf"data was preprocessed with \(--tokenizer .*gpt2-tokenizer\.json\), or --allow-tokenizer-mismatch")
+                    rf"data was preprocessed with \(--tokenizer .*gpt2-tokenizer\.json\), "
+                    rf"or --allow-tokenizer-mismatch")
     text = rows(1)[0]["text"]
     assert inspect_tool.main([str(data["gpt2"]), "--tokenizer", str(GPT2), "--doc", "0"]) == 0
     out, err = capsys.readouterr()
@@ -262,7 +264,7 @@ def test_train_tokenizer_says_when_it_got_fewer_tokens_than_asked(tmp_path, caps
     assert "warning" not in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------ issue 41 group C: output prefixes that name a folder
+# ----------------------------------------------------------------- issue 41 group C: output prefixes that name a folder
 # `--output-prefix dir/` wrote dir/_text_document.bin/.idx and `merge dir/ ...` a hidden dir/.bin: a prefix is
 # a path plus the start of file names (Megatron's), so a folder, ".", "" or a name ending in .bin/.idx is refused
 # before any work with the prefix that was most likely meant.
@@ -288,9 +290,11 @@ def test_preprocess_refuses_an_output_prefix_that_names_a_folder(data, tmp_path,
 def test_merge_refuses_an_output_prefix_that_names_a_folder(data, tmp_path):
     pair = copy_pair(data["gpt2"], tmp_path / "data", "corpus_text_document")
     for given, mention in ((f"{tmp_path / 'data'}/", r"output prefix '.*/data/' names a folder, not a prefix: .* "
-                                                      r"e\.g\. output prefix .*/data/merged writes .*/data/merged\.bin/\.idx\."),
+                                                      r"e\.g\. output prefix .*/data/merged writes "
+                                                      r".*/data/merged\.bin/\.idx\."),
                            (f"{tmp_path / 'data'}/.", r"output prefix '.*/data/\.' names a folder"),
-                           (str(tmp_path / "merged.idx"), r"output prefix '.*/merged\.idx' ends in \.idx: the prefix has "
+                           (str(tmp_path / "merged.idx"), r"output prefix '.*/merged\.idx' ends in \.idx: "
+                                                          r"the prefix has "
                                                           r"no extension; e\.g\. output prefix .*/merged writes")):
         refused([MERGE, given, pair], mention=mention, unchanged=[tmp_path])
     assert not (tmp_path / "data" / ".bin").exists()

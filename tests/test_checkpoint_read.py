@@ -5,8 +5,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import CONFIGS
+
 from megatron_id.checkpoint.files import ClientState, model_config_dict
 from megatron_id.checkpoint.read import ModelState, read_local_state, read_model_state, write_weights_only
 from megatron_id.config import load_config
@@ -66,8 +66,10 @@ def test_safetensors_written_one_tensor_at_a_time_equal_save_file_byte_for_byte(
     dtypes (its data order is by dtype, then name), empty and 0-d tensors, with and without
     metadata; and its fallback (save_file itself) when the header would differ."""
     from safetensors.torch import save_file
+
     from megatron_id.checkpoint import files
-    tensors = {"b.weight": torch.randn(3, 5), "a": torch.randn(4).to(torch.bfloat16), "c": torch.randn(2, dtype=torch.float64),
+    tensors = {"b.weight": torch.randn(3, 5), "a": torch.randn(4).to(torch.bfloat16),
+               "c": torch.randn(2, dtype=torch.float64),
                "Z": torch.arange(6).view(2, 3), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5),
                "half": torch.randn(7).half(), "flag": torch.tensor([True, False, True])}
     specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
@@ -96,7 +98,9 @@ def test_export_streams_one_tensor_at_a_time(tmp_path):
     160 MiB of fp32 weights saved at TP=2: each tensor split over TP is merged as it is written."""
     import threading
     import time
+
     from safetensors.torch import save_file
+
     from megatron_id.checkpoint.files import save_safetensors
     cfg, full = _model("model.vocab_size=16000", "model.d_model=512", "model.n_heads=8", "model.n_layers=8")
     folder, layout = _write(tmp_path, cfg, full, 2, 1)
@@ -139,6 +143,7 @@ def _save_onto_a_full_disk(rank, world, items, disk, real):
     writing; then, the room check passed as if the disk filled afterwards, a synchronous and an
     asynchronous save that fail while writing. Returns (message, files left) of each."""
     from pathlib import Path
+
     import megatron_id.checkpoint.background as background
     import megatron_id.checkpoint.space as space
     from megatron_id.errors import DiskFullError
@@ -188,7 +193,8 @@ def test_a_save_on_a_full_disk_says_so_names_the_bytes_and_leaves_no_partial_fil
     if real:
         message, left = results.pop(0)
         assert re.search(where + r", [\d,]+ bytes \(2.0 MiB\) free there. Nothing was written; no checkpoint was saved "
-                         r"there yet. Free space there, or set train.save to a folder with room, and run again", message)
+                         r"there yet. Free space there, or set train.save to a folder with room, and run again",
+                         message)
         assert left == []
     for message, left in results:   # synchronous, then asynchronous
         assert re.search(where + r"\. Its partial files in .*disk/checkpoints/.incomplete/iter_0000001 \([\d.]+ \w+\) "

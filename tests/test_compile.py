@@ -9,9 +9,9 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import CONFIGS
 from distributed import run_distributed
+
 from megatron_id.config import ConfigError, load_config
 from megatron_id.training.compilation import CompileToolchainError, check_compile_toolchain
 from megatron_id.training.layout import training_layout
@@ -44,6 +44,7 @@ def _eager_compiled_and_crossed(rank, world, base, folder):
     """Eager and compiled: SAVE_AT steps, save, one more step. Then each checkpoint resumed by
     the other mode for that last step."""
     from torch._dynamo.utils import counters
+
     from megatron_id.training.engine import Trainer
 
     def compiled_so_far():   # what dynamo made: graphs, and graph breaks (in any frame, backward too)
@@ -109,6 +110,7 @@ def test_training_forward_compiles_as_one_graph(mixer):
     splits the compiled graph, runs the code between in eager Python and stops fusion across it.
     (A hybrid too. A W layer on the CPU is an eager island: ops/attention.blockwise_attention.)"""
     import torch._dynamo
+
     from megatron_id.parallel.tensor_parallel import parallel_model
     items = [mixer, "model.n_layers=3"] if "=" in mixer else [f"model.mixer={mixer}"]
     cfg = load_config([TINY], items)

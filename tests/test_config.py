@@ -1,8 +1,8 @@
 """One schema, YAML files, key=value overrides; bad input is a clear error."""
 import pytest
 import torch
-
 from conftest import CONFIGS
+
 from megatron_id.cli import main
 from megatron_id.config import ConfigError, Mixer, Readout, ffn_hidden_size, load_config
 
@@ -92,6 +92,7 @@ def test_delta_init_range_is_a_config_with_the_papers_default():
     """model.dt_min / dt_max set Delta's initial range (log-uniform per head); the default is the
     paper's [1e-3, 1e-1] and draws what the fixed constants drew; a bad range is refused."""
     import math
+
     from megatron_id.model import LanguageModel
     base = load_config([CONFIGS / "model" / "tiny.yaml"], ["model.n_heads=4", "model.n_layers=1"]).model
     assert (base.dt_min, base.dt_max) == (1e-3, 1e-1)

@@ -5,7 +5,6 @@ mixers, with and without packed documents whose boundaries fall inside blocks an
 edges."""
 import pytest
 import torch
-
 from conftest import CONFIGS
 from distributed import run_distributed
 
@@ -40,6 +39,7 @@ def _inputs(tokens, documents):
 
 def _block_losses(rank, world, mixer, documents):
     import torch.distributed as dist
+
     from megatron_id.parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
     cp = ContextParallel(dist.group.WORLD, rank, world)
     model = apply_context_parallel(_model(mixer), cp)

@@ -11,12 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bad_inputs import refused, run_module
 from conftest import CONFIGS, ROOT
+
 from megatron_id.data import indexed_dataset
-from megatron_id.data.gpt_dataset import (BlendedDataset, CorruptDataError, DataConfigError, build_gpt_datasets,
-                                          check_batch_token_ids, check_data)
+from megatron_id.data.gpt_dataset import (
+    BlendedDataset,
+    CorruptDataError,
+    DataConfigError,
+    build_gpt_datasets,
+    check_batch_token_ids,
+    check_data,
+)
 from megatron_id.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, meta_path, write_index
 
 GPT2 = ROOT / "tests" / "data" / "gpt2-tokenizer.json"
@@ -102,7 +108,8 @@ def test_every_bad_id_in_a_batch_is_traced_to_its_file_sequence_and_offset(tmp_p
 
 def _train_command(prefix, save, *extra):
     return ["megatron_id.cli", "train", "--config", str(CONFIGS / "model" / "tiny.yaml"),
-            f"data.data_path=[{prefix}]", f"data.index_cache_dir={Path(save).parent / 'cache'}", "data.split=100,0,0", "model.vocab_size=50257", f"train.save={save}",
+            f"data.data_path=[{prefix}]", f"data.index_cache_dir={Path(save).parent / 'cache'}", "data.split=100,0,0",
+            "model.vocab_size=50257", f"train.save={save}",
             "train.precision=fp32", "train.zero_stage=0", "train.micro_batch_size=2", "train.global_batch_size=2",
             "train.train_tokens=256", "train.eval_iters=0", *extra]
 
@@ -127,7 +134,8 @@ def test_data_without_a_sidecar_is_scanned_once_not_at_every_launch(tmp_path, mo
     megatron_made(tmp_path / "mega_text_document", lengths, np.arange(lengths.sum()) % 50000)
     scans = []
     real_scan = indexed_dataset.scan_token_range
-    monkeypatch.setattr(indexed_dataset, "scan_token_range", lambda ds, *a: scans.append(ds.prefix) or real_scan(ds, *a))
+    monkeypatch.setattr(indexed_dataset, "scan_token_range",
+                        lambda ds, *a: scans.append(ds.prefix) or real_scan(ds, *a))
     cache = tmp_path / "index-cache"
     for launch in range(2):
         check_data(str(tmp_path / "mega"), "969,30,1", 64, 50257, cache)

@@ -17,12 +17,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bad_inputs import refused, run_module
 from conftest import ROOT
-from megatron_id.data.indexed_dataset import (IndexedDataset, IndexedDatasetError,
-                                              IndexedDatasetWriter, check_token_ids, meta_path,
-                                              scan_token_range)
+
+from megatron_id.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    IndexedDatasetWriter,
+    check_token_ids,
+    meta_path,
+    scan_token_range,
+)
 from megatron_id.data.tokenizer import identity_of_file
 
 DATA = ROOT / "tests" / "data"

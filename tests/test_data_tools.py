@@ -6,14 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT
+
 from data_tools import inspect as inspect_tool
 from data_tools import merge as merge_tool
 from data_tools import train_tokenizer
 from data_tools.preprocess import main as preprocess_main
-from megatron_id.data.indexed_dataset import (IndexedDataset, IndexedDatasetError,
-                                              IndexedDatasetWriter, best_dtype)
+from megatron_id.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype
 
 DATA = ROOT / "tests" / "data"
 FINEWEB = DATA / "fineweb-edu-sample-150.jsonl"
@@ -254,6 +253,7 @@ def test_megatron_id_preprocess_entry_point_and_progress(tmp_path, capsys):
                      "--output-prefix", str(tmp_path / "cli")])
     assert code == 0 and len(IndexedDataset(tmp_path / "cli_text_document")) == 150
     import io
+
     from data_tools.preprocess import Stats
     from data_tools.progress import Progress
     stream = io.StringIO()

@@ -9,7 +9,6 @@ must not be assigned or accumulated from `.cpu()` (or `.to("cpu")`). Object coll
 (`*_object*`) pickle Python objects and are exempt.
 """
 import ast
-from pathlib import Path
 
 from conftest import ROOT
 

@@ -148,7 +148,7 @@ def _commands() -> dict[str, argparse.ArgumentParser]:
 
 def _parse_command(argv: list[str]) -> None:
     """Parse one documented command line as its program would; raise AssertionError naming it."""
-    from megatron_id.cli import _parse_with_overrides_anywhere
+    from megatron_id.commands.options import parse_with_overrides_anywhere as _parse_with_overrides_anywhere
     from megatron_id.config import load_config
     line = " ".join(argv)
     while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):   # VAR=value prefixes

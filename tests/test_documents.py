@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-
 from conftest import relative_error
 from test_interdomain_forms import core_inputs, form_options
+
 from megatron_id.ops.interdomain import FORMS
 
 # two rows, chunk 4: boundaries at chunk edges (4, 8), inside chunks, one-token documents

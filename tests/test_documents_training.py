@@ -3,9 +3,9 @@ the switches reach the model and the loss, and TP=2 and PP=2 runs equal one proc
 import json
 
 import pytest
-
 from conftest import CONFIGS, ROOT
 from distributed import run_distributed
+
 from megatron_id.config import load_config
 
 STEPS = 3

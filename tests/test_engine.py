@@ -3,9 +3,9 @@ resume, checkpoints that load at another layout, non-finite steps skipped (issue
 import re
 
 import pytest
-
 from conftest import CONFIGS, ROOT
 from distributed import run_distributed
+
 from megatron_id.config import load_config
 
 STEPS = 5
@@ -60,7 +60,9 @@ def _file_backed(tensors) -> list:
 def _run(rank, world, items, steps, kill_at_end, kill_inside_save):
     import os
     import signal
+
     import torch
+
     from megatron_id.training.engine import Trainer
     cfg = load_config([CONFIGS / "model" / "tiny.yaml"], items)
     trainer = Trainer(cfg)
@@ -107,6 +109,7 @@ def test_killed_run_resumes_exactly_and_a_kill_during_save_keeps_latest(fineweb_
 def _signalled(rank, world, items):
     import os
     import signal
+
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
     step = trainer.train_step
@@ -208,6 +211,7 @@ def _nonfinite(rank, world, items, bad_steps, steps):
     """Steps in bad_steps get a NaN: odd ones in the loss, even ones only in a gradient (the
     loss stays finite). Returns per step: loss, skipped?, weights unchanged by the step?"""
     import torch
+
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([CONFIGS / "model" / "tiny.yaml"], items))
     module = trainer.engine.module
@@ -250,7 +254,8 @@ def _nonfinite(rank, world, items, bad_steps, steps):
 @pytest.mark.parametrize("tp,pp,world,zero", [(1, 1, 1, 0), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 2, 0)])
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(fineweb_prefix, tmp_path, tp, pp, world, zero):
     items = overrides(fineweb_prefix, tp, zero, pp) + [f"train.save={tmp_path}", "train.save_interval=2",
-                                                       "train.max_nonfinite_in_a_row=3", f"train.train_tokens={8 * 256}"]
+                                                       "train.max_nonfinite_in_a_row=3",
+                                                       f"train.train_tokens={8 * 256}"]
     record, skipped, finite = run_distributed(_nonfinite, world, args=(items, {3, 6}, 7), timeout=300)[0]
     assert [r[1] for r in record] == [False, False, True, False, False, True, False], record
     for loss, was_skipped, unchanged in record[1:]:   # (step 1 has LR 0: warmup starts at zero)
@@ -283,8 +288,10 @@ def test_tied_embeddings_across_pipeline_stages(fineweb_prefix, tmp_path):
     TiedLayerSpec) and its two gradients are summed. Losses and the trained weights (read back
     from each layout's checkpoint as one TP=1 state dict) equal the single-process run's."""
     import torch
+
     from megatron_id.checkpoint.read import read_model_state
-    cfg = load_config([CONFIGS / "model" / "tiny.yaml"], overrides(fineweb_prefix, 1, 0) + ["model.tie_embeddings=true"])
+    cfg = load_config([CONFIGS / "model" / "tiny.yaml"],
+                      overrides(fineweb_prefix, 1, 0) + ["model.tie_embeddings=true"])
     runs = {}
     for tp, pp, world, zero in [(1, 1, 1, 0), (1, 2, 2, 1), (2, 2, 4, 0)]:
         items = overrides(fineweb_prefix, tp, zero, pp) + ["model.tie_embeddings=true"]
@@ -322,8 +329,10 @@ def test_weights_only_saves_and_the_step_0_save(fineweb_prefix, tmp_path, capfd)
     false (at ZeRO-0 too), saying so; convert-checkpoint refuses it; the bad combinations are
     refused before any work."""
     import shutil
+
     import torch
     from distributed import RankError
+
     from megatron_id.checkpoint.files import ClientState, model_config_dict, read_client_state
     from megatron_id.checkpoint.integrity import CheckpointError
     from megatron_id.checkpoint.read import read_model_state, write_weights_only
@@ -338,7 +347,8 @@ def test_weights_only_saves_and_the_step_0_save(fineweb_prefix, tmp_path, capfd)
     for bad, message in [(["train.zero_stage=3"], "ZeRO-3 keeps the weights themselves in its optimizer files"),
                          (["train.reshardable_optimizer=true"], "saves the optimizer state a second time")]:
         with pytest.raises(ConfigError, match=message):
-            training_layout(load_config([CONFIGS / "model" / "tiny.yaml"], items + ["train.save_optimizer=false", *bad]), 1)
+            training_layout(load_config([CONFIGS / "model" / "tiny.yaml"],
+                                        items + ["train.save_optimizer=false", *bad]), 1)
     with pytest.raises(ConfigError, match=r"train.extra_save_steps=\[-1\] is invalid"):
         load_config([CONFIGS / "model" / "tiny.yaml"], items + ["train.extra_save_steps=[-1]"])
     # imported weights (another init than the run's own seed would give), at step 0

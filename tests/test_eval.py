@@ -15,14 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from bad_inputs import refused
 from conftest import CONFIGS, ROOT
 from distributed import run_distributed
+
 from megatron_id.config import load_config
 from megatron_id.data.tokenizer import load_tokenizer
-from megatron_id.evaluation.recall import (FILLER, KEY_WORDS, NEEDLE, QUESTION, mqar, mqar_correct, passkey,
-                                           passkey_correct)
+from megatron_id.evaluation.recall import (
+    FILLER,
+    KEY_WORDS,
+    NEEDLE,
+    QUESTION,
+    mqar,
+    mqar_correct,
+    passkey,
+    passkey_correct,
+)
 
 GPT2 = ROOT / "tests" / "data" / "gpt2-tokenizer.json"
 SHAKESPEARE = ROOT / "tests" / "data" / "tinyshakespeare-200k.txt"
@@ -70,8 +78,9 @@ def trained_pair(tmp_path_factory):
     trained on the first 150,000 characters of Tiny Shakespeare, trained on 64-token windows of
     them (softmax 300 steps, interdomain 30: it only has to run at 8x), exported; and the
     held-out rest of the text."""
-    from data_tools.train_tokenizer import main as train_tokenizer
     from hf_tiny import MIXER_ITEMS, export_model
+
+    from data_tools.train_tokenizer import main as train_tokenizer
     from megatron_id.model import LanguageModel
     root = tmp_path_factory.mktemp("trained")
     text = SHAKESPEARE.read_text(encoding="utf-8")
@@ -178,7 +187,8 @@ def test_careless_eval_options_are_refused(tmp_path):
     cases = [
         (["perplexity", "--checkpoint", export], r"no --data given and the checkpoint records no data\.data_path"),
         (["perplexity", "--checkpoint", export, "--text", tmp_path / "missing.txt"], r"missing\.txt: not found"),
-        (["length", "--checkpoint", export, "--text", SHAKESPEARE, "--factors", "0"], r"--factors 0\.0 is out of range"),
+        (["length", "--checkpoint", export, "--text", SHAKESPEARE, "--factors", "0"],
+         r"--factors 0\.0 is out of range"),
         (["length", "--checkpoint", export, "--text", SHAKESPEARE, "--factors", "5000"], r"too few for one window"),
         (["recall", "--checkpoint", export, "--out", tmp_path / "busy", "--overwrite"],
          r"holds files that are not an earlier eval's results \(notes\.txt\)"),
@@ -200,7 +210,8 @@ def test_lm_eval_runs_local_tasks_on_a_tiny_export(tmp_path):
     tasks = tmp_path / "tasks"
     done = subprocess.run([sys.executable, "-m", "megatron_id.cli", "eval", "lm-eval-tasks", "--text",
                            ROOT / "tests" / "data" / "fineweb-edu-sample-150.jsonl", SHAKESPEARE, "--out", tasks,
-                           "--passages", "6", "--documents", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                           "--passages", "6", "--documents", "2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0 and "wrote 6 last-word passages and 2 documents" in done.stdout, done.stderr
     script = shutil.which("lm_eval", path=str(Path(sys.executable).parent))   # its console script, beside us
     assert script, "lm_eval's command is not installed beside this Python"

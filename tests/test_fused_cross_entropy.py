@@ -8,13 +8,12 @@ TP=1, TP=2 and PP=2) (issue 16, item 4)."""
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import CONFIGS, relative_error
 from distributed import run_distributed
+
 from megatron_id.config import ConfigError, load_config
-from megatron_id.parallel.fused_cross_entropy import fused_lm_head_loss, lm_head_loss, naive_lm_head_loss
+from megatron_id.parallel.fused_cross_entropy import fused_lm_head_loss, lm_head_loss, masked_mean, naive_lm_head_loss
 from megatron_id.parallel.layers import vocab_parallel_cross_entropy
-from megatron_id.training.documents import masked_mean
 
 TOL = 1e-5   # float32
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from megatron_id.config import load_config
 from megatron_id.inference.fused_decode import FusedDecodeError, FusedDecoder
 from megatron_id.model import LanguageModel
@@ -178,12 +178,13 @@ def test_the_kernel_names_a_tensor_it_cannot_take():
     with pytest.raises(RuntimeError, match="state must be contiguous, on the CPU and Double .* not contiguous"):
         decoder.core(x @ t["w_in"].T, t["conv_tail"], t["conv_w"], t["conv_b"], None, None, t["kv_norm"],
                      t["kv_bias"], t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"],
-                     t["state"].transpose(-1, -2), 0, s.mapped, s.query, s.dual, s.gate, s.eps[1])
+                     t["state"].transpose(-1, -2), 0, s.mapped, s.query, s.dual, s.gate, s.kv_eps)
 
 
 def test_the_first_build_says_so_before_its_pause(monkeypatch, tmp_path, capsys):
     """A build (~10 s, silent in torch) is announced on stderr; a cached one is not."""
     import warnings
+
     from megatron_id.inference import cpu_kernel
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: None)   # no real build here
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))

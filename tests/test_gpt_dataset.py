@@ -10,12 +10,20 @@ import re
 import numpy as np
 import pytest
 import torch.distributed as dist
-
 from distributed import run_distributed
-from megatron_id.data.gpt_dataset import (BlendedDataset, DataConfigError, GPTDataset,
-                                          PretrainingSampler, build_gpt_datasets, check_data,
-                                          parse_data_path, parse_split, split_ranges)
+
 from megatron_id.data import index_cache, native, sample_index
+from megatron_id.data.gpt_dataset import (
+    BlendedDataset,
+    DataConfigError,
+    GPTDataset,
+    PretrainingSampler,
+    build_gpt_datasets,
+    check_data,
+    parse_data_path,
+    parse_split,
+    split_ranges,
+)
 from megatron_id.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 SEQ = 16
@@ -100,8 +108,8 @@ def test_resuming_from_consumed_samples_gives_the_same_order(tmp_path):
 
 
 def test_blending_follows_weights(tmp_path):
-    a = unique_token_corpus(tmp_path / "a", 300, seed=4)
-    b = unique_token_corpus(tmp_path / "b", 300, seed=5, offset=10_000_000)
+    unique_token_corpus(tmp_path / "a", 300, seed=4)
+    unique_token_corpus(tmp_path / "b", 300, seed=5, offset=10_000_000)
     assert parse_data_path(f"3 {tmp_path / 'a'} 1 {tmp_path / 'b'}") == [(0.75, str(tmp_path / "a")),
                                                                           (0.25, str(tmp_path / "b"))]
     train, _, _ = build_gpt_datasets(f"0.7 {tmp_path / 'a'} 0.3 {tmp_path / 'b'}", "100,0,0",
@@ -262,7 +270,8 @@ def _blend_past_the_timeout(rank, world, prefixes, cache):
     seconds = time.monotonic() - began
     dist.barrier()   # the group still works: a waiting rank did not time out in a collective
     picks = np.asarray(train.dataset_index[::997]).tolist()
-    return seconds, train.built_index, picks, [train[i].tolist() for i in range(0, BLEND_SAMPLES, 100_000)], stderr.getvalue()
+    return (seconds, train.built_index, picks, [train[i].tolist() for i in range(0, BLEND_SAMPLES, 100_000)],
+            stderr.getvalue())
 
 
 def test_ranks_wait_for_an_index_that_takes_longer_than_the_collective_timeout(tmp_path):
@@ -321,6 +330,7 @@ def test_a_waiting_rank_stops_when_rank_0_fails_or_its_folder_is_not_shared(tmp_
                         r"documents x \d+ epochs?\): MemoryError: no memory for the index \(rank 0's log has the "
                         r"details\)\.", rank1[0]), rank1[0]
     assert re.search(r"rank 1 waited 0\.0 min for rank 0 to build the train sample index .*, and no status file from "
-                     r"rank 0 appeared in .*cache-rank1\. If rank 0 stopped, its log says why\. If .*cache-rank1 is not "
+                     r"rank 0 appeared in .*cache-rank1\. If rank 0 stopped, its log says why\. "
+                     r"If .*cache-rank1 is not "
                      r"on a file system every node shares, set data\.index_cache_dir to one that is\. .*raise "
                      r"train\.collective_timeout_minutes", rank1[1]), rank1[1]

@@ -11,7 +11,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu.py"

@@ -3,7 +3,7 @@
 - the static decode step (StaticDecodeStep: fixed buffers updated in place, what a CUDA graph
   replays) equals the dynamic decode, logits and tokens, and keeps its buffers;
 - generate and eval keep every tensor they make on the model's device: the stated fake device
-  is a guard (a TorchFunctionMode) that fails any tensor factory called from generation.py or
+  is a guard (a TorchFunctionMode) that fails any tensor factory called from inference/generate.py or
   evaluation/ without device=, so the code runs unchanged on a CUDA model;
 - --device and --cuda-graph refuse what this machine cannot do, with the fix.
 The graphed step itself (torch.cuda.CUDAGraph) runs on a GPU: launch/gpu_check.sh compares it
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONFIGS, ROOT
 from torch.overrides import TorchFunctionMode
 
-from conftest import CONFIGS, ROOT
 from megatron_id.config import load_config
-from megatron_id.generation import StaticDecodeStep, generate_ids
+from megatron_id.inference.generate import StaticDecodeStep, generate_ids
 from megatron_id.model.language_model import LanguageModel
 
 CLI = [sys.executable, "-m", "megatron_id.cli"]
@@ -75,11 +75,11 @@ def test_static_decode_refuses_what_it_cannot_hold():
 
 FACTORIES = {"tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint", "zeros_like",
              "eye", "linspace"}
-WATCHED = (str(ROOT / "megatron_id" / "generation.py"), str(ROOT / "megatron_id" / "evaluation"))
+WATCHED = (str(ROOT / "megatron_id" / "inference" / "generate.py"), str(ROOT / "megatron_id" / "evaluation"))
 
 
 class DeviceGuard(TorchFunctionMode):
-    """Fails a tensor factory called from generation.py or evaluation/ without device=: on a
+    """Fails a tensor factory called from inference/generate.py or evaluation/ without device=: on a
     CUDA model such a tensor would land on the CPU (and the next op fails, or copies)."""
 
     def __init__(self):
@@ -101,9 +101,11 @@ class DeviceGuard(TorchFunctionMode):
 
 def test_generate_and_eval_make_every_tensor_on_the_models_device():
     import random
+
+    import numpy as np
+
     from megatron_id.evaluation.recall import mqar, mqar_correct, passkey, passkey_correct
     from megatron_id.evaluation.scoring import score_windows
-    import numpy as np
     model = tiny_model("interdomain")
     guard = DeviceGuard()
     with guard, torch.no_grad():
@@ -134,10 +136,10 @@ def _ids_tokenizer():
 def test_device_guard_catches_a_factory_without_device():
     """The guard can fail: the generation code as it was before (tokens made on the CPU)."""
     guard = DeviceGuard()
-    source = compile("import torch\ntorch.tensor([[1]])\n", WATCHED[0], "exec")   # "called from generation.py"
+    source = compile("import torch\ntorch.tensor([[1]])\n", WATCHED[0], "exec")   # "called from generate.py"
     with guard:
         exec(source, {})
-    assert guard.missing == ["generation.py:2 torch.tensor"]
+    assert guard.missing == ["generate.py:2 torch.tensor"]
 
 
 def refused(args, *needles):

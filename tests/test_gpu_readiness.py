@@ -10,13 +10,11 @@ kernels under the interpreter) and share one Triton cache for the session; the w
 starts in the background at collection, at the lowest priority (tests/conftest.py).
 """
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytest.importorskip("triton")
@@ -138,7 +136,8 @@ def test_resources_refuses_careless_input(compile_env, tmp_path):
     mine = tmp_path / "rows.json"
     mine.write_text("my notes")
     cases = [(["--json", mine], f"--json {mine} exists: give a new file name"),
-             (["--json", tmp_path / "no" / "rows.json"], "does not exist"),(["--config", "configs/model/nope.yaml"], "--config configs/model/nope.yaml: no such file"),
+             (["--json", tmp_path / "no" / "rows.json"], "does not exist"),
+             (["--config", "configs/model/nope.yaml"], "--config configs/model/nope.yaml: no such file"),
              (["--column-block", "48"], "--column-block 48: give a power of two >= 16"),
              (["--kernel", "query_fwd"], "--kernel query_fwd: no such kernel; the kernels are walk_forward")]
     for args, message in cases:
@@ -161,8 +160,8 @@ SMOKE_STEPS = ["preprocess", "train", "train-checkpoint", "resume", "resume-cont
 def test_gpu_check_dry_run_passes_every_step(compile_env, gpu_check_dry_run):
     """launch/gpu_check.sh --dry-run: every step on the CPU (the kernel against the float64 form
     under the interpreter, gpu_smoke.sh in CPU mode with all its own steps and the check's
-    model items (SMOKE_OVERRIDES), TP=2 + SP and CP=2 on two gloo processes against TP=1, the attention forms against the dense
-    mask, the static decode step against
+    model items (SMOKE_OVERRIDES), TP=2 + SP and CP=2 on two gloo processes against TP=1, the
+    attention forms against the dense mask, the static decode step against
     the eager one, benchmarks/gpu.py --quick: its tables are tests/test_gpu_benchmark.py's);
     then it refuses to write into a used folder."""
     done, out = gpu_check_dry_run
@@ -176,6 +175,7 @@ def test_gpu_check_dry_run_passes_every_step(compile_env, gpu_check_dry_run):
     for name in SMOKE_STEPS:   # gpu_smoke.sh's own steps (tests/test_gpu_smoke_script.py checks its refusals)
         assert f"PASS  {name} (" in smoke, (name, smoke[-3000:])
     assert (out / "smoke" / "checkpoints" / "latest").read_text() == "iter_0000006"
-    assert json.loads((out / "smoke" / "hf" / "config.json").read_text())["model"]["state_size"] == 32   # the items reached it
+    # the items reached it
+    assert json.loads((out / "smoke" / "hf" / "config.json").read_text())["model"]["state_size"] == 32
     again = run(["bash", "launch/gpu_check.sh", "--dry-run", out], compile_env, timeout=60)
     assert again.returncode == 2 and "exists and is not empty" in again.stderr

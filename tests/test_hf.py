@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import CONFIGS, ROOT
 from distributed import run_distributed
+
 from megatron_id.config import load_config
 
 TOKENIZER = ROOT / "tests/data/gpt2-tokenizer.json"
@@ -65,8 +65,8 @@ def checkpoints(fineweb_prefix, tmp_path_factory):
     for mixer in MIXERS:
         for tp, pp, world in [(1, 1, 1), (2, 2, 4)]:
             path = root / f"{mixer}-{tp}x{pp}"
-            results = run_distributed(_train_save_logits, world, args=(train_items(fineweb_prefix, tp, pp, mixer), path),
-                                      timeout=300)
+            results = run_distributed(_train_save_logits, world,
+                                      args=(train_items(fineweb_prefix, tp, pp, mixer), path), timeout=300)
             logits = next(r for r in results if r is not None)
             out[mixer, (tp, pp)] = path, logits
     return out
@@ -102,6 +102,7 @@ def test_exported_logits_equal_the_training_engine(checkpoints, tmp_path, mixer)
 @pytest.mark.slow
 def test_export_import_export_is_identical_at_every_layout(checkpoints, tmp_path):
     from safetensors.torch import load_file
+
     from megatron_id.hf.export import export_hf, import_hf
     path, _ = checkpoints["interdomain", (2, 2)]
     first = export_hf(path, tmp_path / "first")

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import ROOT
 from hf_tiny import tiny_export
 
 MIXERS = ["interdomain", "softmax", "s4d", "hybrid"]
@@ -270,7 +268,8 @@ for folder in {[str(f) for f in exports.values()]!r}:
         assert beams[0] == beams[1]
     print(folder.rsplit('/', 1)[-1], round(loss.item(), 6))
 """
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("old"),
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path_factory.mktemp("old"),
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     # the same losses as the newest transformers computes here

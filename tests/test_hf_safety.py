@@ -12,12 +12,12 @@ import shutil
 
 import pytest
 import torch
-
 from bad_inputs import refused, snapshot
 from conftest import CONFIGS
 from distributed import run_distributed
-from megatron_id.config import load_config
 from test_hf import TOKENIZER, train_items
+
+from megatron_id.config import load_config
 
 CLI = "megatron_id.cli"
 SSM_LEAVES = {"log_dt", "a_log", "a_im", "c_re", "c_im", "c_vec", "k_norm", "v_norm", "k_bias", "v_bias"}
@@ -220,6 +220,7 @@ def test_import_with_a_tensor_parallel_size_that_cannot_work(export, tmp_path, t
 @pytest.mark.slow
 def test_weights_that_do_not_match_the_config_are_named(export, tmp_path):
     from safetensors.torch import load_file, save_file
+
     from megatron_id.hf.export import NotAnExportError, read_hf_folder
     bad = copy_of(export, tmp_path / "hf")
     (bad / "manifest.json").unlink()   # an export written before manifests (with one, the manifest refuses first)
@@ -282,7 +283,7 @@ def test_generate_a_file_of_prompts_in_batches_as_one_at_a_time(export, tmp_path
 
 def test_generation_options_are_checked():
     from megatron_id.errors import BadOptionError
-    from megatron_id.generation import check_options, generate_ids
+    from megatron_id.inference.generate import check_options, generate_ids
     check_options(0, 0.0, 0, 1)
     for args, option in [((5, -1.0, 0, 8), "--temperature"), ((5, float("nan"), 0, 8), "--temperature"),
                          ((5, 0.0, -2, 8), "--top-k"), ((5, 0.0, 0, 0), "--prefill-chunk-size")]:
@@ -317,9 +318,9 @@ def test_overwrite_replaces_an_earlier_export_with_a_fresh_one(checkpoint, expor
 
 @pytest.mark.slow
 def test_overwrite_replaces_an_earlier_import(export, tmp_path):
-    from megatron_id.hf.export import import_hf
     from megatron_id.checkpoint.files import read_client_state
     from megatron_id.checkpoint.integrity import verify_checkpoint
+    from megatron_id.hf.export import import_hf
     out = import_hf(export, tmp_path / "imported", tensor_parallel=1)
     import_hf(export, out, tensor_parallel=2, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000000", "latest"]
@@ -478,8 +479,10 @@ def test_stale_partials_of_killed_exports_are_removed_with_a_note(checkpoint, ex
     import subprocess
     import sys
     import time
-    import megatron_id.hf.export as hf_export
+
     from conftest import ROOT
+
+    import megatron_id.hf.export as hf_export
     from megatron_id.hf.export import export_hf
     old = copy_of(export, tmp_path / "hf")
     # a real kill -9 of `export-hf --overwrite` while it writes the new folder
@@ -531,7 +534,9 @@ def test_an_export_or_import_onto_a_full_disk_says_so_and_leaves_nothing(checkpo
     folder and the bytes and removes its partial folder. A real 4 MiB tmpfs where this test may
     mount one (root), else writes made to fail with ENOSPC in-process."""
     import errno
+
     from file_systems import small_file_system
+
     import megatron_id.hf.export as hf_export
     from megatron_id.errors import DiskFullError
     disk = tmp_path / "disk"
@@ -584,7 +589,8 @@ def test_generate_refuses_an_unreadable_input_file_and_an_unwritable_output_befo
     with read_only_folder(tmp_path / "ro") as real:
         if not real:
             pytest.skip("no read-only folder can be made here (root without the right to mount)")
-        done = refused(base + ["--input-file", tmp_path / "prompts.txt", "--output-file", tmp_path / "ro" / "out.jsonl"],
+        done = refused(base + ["--input-file", tmp_path / "prompts.txt",
+                               "--output-file", tmp_path / "ro" / "out.jsonl"],
                        unchanged=[tmp_path], mention=r"--output-file .*ro/out.jsonl: its folder .*ro: cannot write "
                                                      r"there: (the file system is read-only|permission denied)\. "
                                                      r"Nothing was done")
@@ -592,7 +598,7 @@ def test_generate_refuses_an_unreadable_input_file_and_an_unwritable_output_befo
 
 
 def test_a_utf8_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
-    from megatron_id.cli import read_prompts
+    from megatron_id.commands.generate import read_prompts
     (tmp_path / "bom.txt").write_bytes("\ufeffThe water cycle\nRivers\n".encode("utf-8"))
     assert read_prompts(str(tmp_path / "bom.txt")) == ["The water cycle", "Rivers"]
 
@@ -660,10 +666,11 @@ def test_a_tokenizer_file_replaced_at_the_same_path_is_named(tmp_path):
     vocab = table["model"]["vocab"]
     vocab["water"], vocab["cycle"] = vocab["cycle"], vocab["water"]   # same size, other ids: another tokenizer
     tokenizer.write_text(json.dumps(table))
-    refused([CLI, "generate", "--checkpoint", tmp_path / "hf-ckpt", "--prompt", "The water cycle"], unchanged=[tmp_path],
+    refused([CLI, "generate", "--checkpoint", tmp_path / "hf-ckpt", "--prompt", "The water cycle"],
+            unchanged=[tmp_path],
             mention=r"the tokenizer file .*tokenizer.json changed since the model of .*hf-ckpt recorded it \(replaced "
-                    r"or edited at the same path\): the model of .* was made with tokenizer vocab:\w+ but the tokenizer "
-                    r"file now holds tokenizer vocab:\w+.*Restore the original file")
+                    r"or edited at the same path\): the model of .* was made with tokenizer vocab:\w+ but the "
+                    r"tokenizer file now holds tokenizer vocab:\w+.*Restore the original file")
 
 
 @pytest.mark.slow
@@ -671,6 +678,7 @@ def test_completions_that_cannot_be_written_are_not_lost(export, tmp_path, capsy
     """A disk that fills while the prompts are generated: the completions go to stdout, and the
     error says so (before: one line about the OSError, every completion lost)."""
     import errno
+
     from megatron_id.cli import main
     (tmp_path / "prompts.txt").write_text("Rivers\nClouds\n")
     real = os.replace

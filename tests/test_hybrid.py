@@ -18,9 +18,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import CONFIGS, ROOT, copy_without_reshardable_optimizer
 from distributed import run_distributed
+
 from megatron_id.config import ConfigError, load_config
 
 TINY = CONFIGS / "model" / "tiny.yaml"
@@ -40,9 +40,11 @@ def tiny(*items):
     (["model.layer_pattern=|II"], r"every pipeline stage needs at least one layer"),
     (["model.layer_pattern=IW"], r"has W \(sliding-window softmax\) layers but model.window=None"),
     (["model.layer_pattern=IA", "model.window=8"], r"model.window=8 is the window of W layers, and .* has none"),
-    (["model.window=8"], r"model.window=8 is the window of W \(sliding-window softmax\) layers, and this model has none"),
+    (["model.window=8"], r"model.window=8 is the window of W \(sliding-window softmax\) layers, "
+                         r"and this model has none"),
     (["model.mixer=hybrid"], r"model.mixer=hybrid needs model.layer_pattern"),
-    (["model.mixer=softmax", "model.layer_pattern=IA"], r"model.mixer=softmax contradicts .* whose layers make it hybrid"),
+    (["model.mixer=softmax", "model.layer_pattern=IA"],
+     r"model.mixer=softmax contradicts .* whose layers make it hybrid"),
 ])
 def test_a_wrong_pattern_is_refused_naming_the_fix(items, message):
     with pytest.raises(ConfigError, match=message):
@@ -165,7 +167,8 @@ def test_stages_follow_the_marks_or_the_cost():
     from megatron_id.training.plan import stage_parameters
     marked = tiny("model.layer_pattern=IIA|I", "model.n_layers=4")
     assert stage_layers(marked, 2) == [range(0, 3), range(3, 4)] and stage_layers(marked, 1) == [range(4)]
-    with pytest.raises(LayoutError, match=r"marks 2 pipeline stages with \| but parallel.pipeline_model_parallel_size=4"):
+    with pytest.raises(LayoutError,
+                       match=r"marks 2 pipeline stages with \| but parallel.pipeline_model_parallel_size=4"):
         check_model_split(marked, 1, 4)
     # at 8K tokens a softmax layer costs 2.5x an interdomain one: the first stage takes fewer layers
     cfg = load_config([CONFIGS / "model" / "125m.yaml"], ["model.layer_pattern=AAAAIIIIIIII",

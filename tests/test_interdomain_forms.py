@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import relative_error
+
 from megatron_id.model.init import initialize
 from megatron_id.model.mixers import InterdomainMixer
 from megatron_id.ops.interdomain import FORMS, chunked

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CONFIGS, ROOT
+
 from megatron_id.config import load_config
 from megatron_id.training.job import JobLayoutError, prepare, shell_lines
 
@@ -19,7 +19,8 @@ def test_defaults_record_and_resume_step(tmp_path):
                                    "train.global_batch_size=4", "train.micro_batch_size=1"],
                      world_size=4, job_id="12", attempt=0, env={})
     save = str(run / "checkpoints")
-    assert values["override"] == [f"train.save={save}", f"train.load={save}", f"train.metrics_file={run / 'metrics.jsonl'}"]
+    assert values["override"] == [f"train.save={save}", f"train.load={save}",
+                                  f"train.metrics_file={run / 'metrics.jsonl'}"]
     assert (values["tensor"], values["pipe"], values["data"], values["step"]) == (2, 1, 2, 0)
     assert (values["micro_batch"], values["accumulation"], values["train_iters"]) == (1, 2, 4096 // (4 * 64))
     record = run / "logs" / "12.0.config.yaml"
@@ -37,7 +38,8 @@ def test_defaults_record_and_resume_step(tmp_path):
 def test_explicit_save_and_load_are_kept(tmp_path):
     values = prepare(tmp_path / "run", [TINY], [f"train.save={tmp_path / 'mine'}"], world_size=1,
                      job_id="1", attempt=0, env={})
-    assert values["override"] == [f"train.load={tmp_path / 'mine'}", f"train.metrics_file={tmp_path / 'run' / 'metrics.jsonl'}"]
+    assert values["override"] == [f"train.load={tmp_path / 'mine'}",
+                                  f"train.metrics_file={tmp_path / 'run' / 'metrics.jsonl'}"]
     assert values["save"] == str(tmp_path / "mine")
     values = prepare(tmp_path / "run", [TINY], [f"train.save={tmp_path / 'a'}", f"train.load={tmp_path / 'b'}",
                                                 f"train.metrics_file={tmp_path / 'm.jsonl'}"],

@@ -1,7 +1,7 @@
 """Building blocks: RMSNorm (torch and apex paths), RoPE, feature map, short conv."""
 import torch
-
 from conftest import relative_error
+
 from megatron_id.model import layers
 
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CONFIGS, ROOT
 
 TINY = str(CONFIGS / "model" / "tiny.yaml")
@@ -66,14 +65,15 @@ def test_every_launch_script_passes_shellcheck():
 # last project line said "(exit 3)". `megatron-id train --nproc N` starts the ranks itself (the README,
 # launch/local.sh and the quickstart use it): one line and the ranks' own status.
 
-from bad_inputs import refused, run_module  # noqa: E402
+from bad_inputs import refused  # noqa: E402
 
 
 def test_nproc_refusals_are_one_line_before_any_rank_starts(tmp_path):
     train = ["megatron_id.cli", "train", "--config", TINY]
     refused([*train, "--nproc", "0"], unchanged=[tmp_path], mention=r"--nproc 0: give the number of processes")
     refused([*train, "--nproc", "2"], env={"RANK": "0"}, unchanged=[tmp_path],
-            mention=r"--nproc 2: this process is already one rank started by a launcher \(RANK=0 is set\): drop --nproc")
+            mention=r"--nproc 2: this process is already one rank started by a launcher \(RANK=0 is set\): "
+                    r"drop --nproc")
     refused([*train, "--nproc", "2"], env={"SLURM_STEP_NUM_TASKS": "4"}, unchanged=[tmp_path],
             mention=r"--nproc 2: srun started 4 tasks")
     done = refused([*train, "--nproc", "2", "parallel.tensor_model_parallel_size=4"], unchanged=[tmp_path],
@@ -99,7 +99,8 @@ def test_a_problem_the_ranks_find_is_one_line_with_their_status(fineweb_prefix, 
     done = refused(["megatron_id.cli", "train", "--nproc", "2", "--config", TINY, f"data.data_path=[{fineweb_prefix}]",
                     "model.vocab_size=50257", f"train.save={save}", "train.train_tokens=768",
                     "train.global_batch_size=4", "train.micro_batch_size=2"],
-                   mention=r"^megatron-id: error: train.save=.* holds files that are not checkpoints", unchanged=[tmp_path])
+                   mention=r"^megatron-id: error: train.save=.* holds files that are not checkpoints",
+                   unchanged=[tmp_path])
     assert done.returncode == 2, done.returncode
     for noise in ("ChildFailedError", "torch.distributed.elastic", "torch/distributed/run.py"):
         assert noise not in done.stderr, done.stderr

@@ -3,8 +3,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import relative_error
+
 from megatron_id.model import LanguageModel, lm_loss
 from megatron_id.model.mixers import MIXERS as REGISTERED
 

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from bad_inputs import refused
 from conftest import CONFIGS, ROOT
 from distributed import run_distributed
+
 from megatron_id.config import load_config
 from megatron_id.data.mqar import MQARConfigError, MQARDataset, MQARTask, score
 
@@ -107,15 +107,17 @@ def test_a_train_command_that_cannot_work_is_refused_before_any_work(tmp_path):
             (["data.eod_mask_loss=true"], r"a packed-document switch .*: turn it off")):
         refused(base + extra, mention=mention, unchanged=[tmp_path])
     from types import SimpleNamespace
+
     from megatron_id.data.mqar import check_mqar_run
     with pytest.raises(MQARConfigError, match=r"pipeline_model_parallel_size=2: use 1"):
         check_mqar_run(load_config([TINY], ["data.source=mqar"]), SimpleNamespace(pipe=2))
 
 
 def _train(rank, world, items, steps_first=None):
-    from megatron_id.training.engine import Trainer
     import os
     import signal
+
+    from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([TINY], items))
     if steps_first:   # SIGUSR1 after that step, as a scheduler's warning: save and stop
         step_once = trainer.train_step
@@ -180,5 +182,6 @@ def test_training_resumes_on_the_same_batches_and_eval_scores_the_checkpoint(tmp
     model.load_state_dict(weights)
     mine = score(model.eval(), task, seed=42, samples=100, batch_size=8)
     assert mine["accuracy"] == result["accuracy"] and mine["answer_loss"] == pytest.approx(result["answer_loss"])
-    refused(["megatron_id.cli", "eval", "mqar", "--checkpoint", str(whole), "--num-pairs", "16", "--num-queries", "16", "--seq-length", "60"],
+    refused(["megatron_id.cli", "eval", "mqar", "--checkpoint", str(whole), "--num-pairs", "16", "--num-queries", "16",
+             "--seq-length", "60"],
             mention=r"model.seq_length=60 is too short", unchanged=[whole])

@@ -13,20 +13,26 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from conftest import CONFIGS
 from distributed import run_distributed
+from torch import nn
+
 from megatron_id.config import load_config
 from megatron_id.model import LanguageModel, mixers
 from megatron_id.model.layers import Linear, RMSNorm
 from megatron_id.model.mixers import InterdomainMixer
-from megatron_id.model.roles import (SSM_PER_HEAD, Group, Role, Split, UndeclaredParameterError,
-                                     parameter_roles)
-from megatron_id.parallel import (ColumnParallelLinear, PartialGradRMSNorm, RowParallelLinear,
-                                  VocabParallelEmbedding, merge_state_dicts, parallelize,
-                                  partition_dim, split_state_dict)
-from megatron_id.parallel import tensor_parallel
+from megatron_id.model.roles import SSM_PER_HEAD, Group, Role, Split, UndeclaredParameterError, parameter_roles
+from megatron_id.parallel import (
+    ColumnParallelLinear,
+    PartialGradRMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    merge_state_dicts,
+    parallelize,
+    partition_dim,
+    split_state_dict,
+    tensor_parallel,
+)
 from megatron_id.training.optim import parameter_groups
 
 

@@ -1,7 +1,7 @@
 """Parameter counts equal the paper's Table 3 exactly; state and FLOP accounting."""
 import pytest
-
 from conftest import CONFIGS
+
 from megatron_id.config import load_config
 from megatron_id.model.accounting import count_parameters, report
 

@@ -6,6 +6,7 @@ import json
 import math
 
 from conftest import CONFIGS
+
 from megatron_id.cli import main
 from megatron_id.config import ConfigError, load_config
 from megatron_id.model.accounting import count_parameters

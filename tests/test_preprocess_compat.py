@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bad_inputs import refused, run_module
 from conftest import ROOT
+
 from data_tools.preprocess import main as preprocess_main
 from megatron_id.data.indexed_dataset import IndexedDataset
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
@@ -63,7 +62,8 @@ def _fake_python(folder):
     """A `python` without torch whose pip records its arguments and fails (so the script stops there)."""
     folder.mkdir(parents=True, exist_ok=True)
     stub = folder / "python"
-    stub.write_text(f'#!/bin/bash\nif [[ "$1 $2 $3" == "-m pip install" ]]; then echo "${{*:4}}" >> {folder}/pip.log; fi\n'
+    stub.write_text('#!/bin/bash\nif [[ "$1 $2 $3" == "-m pip install" ]]; '
+                    f'then echo "${{*:4}}" >> {folder}/pip.log; fi\n'
                     'exit 1\n')
     stub.chmod(0o755)
     return stub

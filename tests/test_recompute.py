@@ -5,15 +5,13 @@ The core's and the layer's agreement with the naive reference on every cube swit
 test_interdomain_forms.py (forms "recompute"); here: the generic segment machinery on a toy
 causal function (halo, carried state, parameters, segments shorter than the halo), when each
 path is chosen, bf16 autocast, and how much autograd keeps."""
-import math
 
 import pytest
 import torch
-
 from conftest import relative_error
+
 from megatron_id.model.init import initialize
 from megatron_id.model.mixers import InterdomainMixer
-from megatron_id.ops import segments
 from megatron_id.ops.interdomain import chunked
 from megatron_id.ops.segments import run_in_segments
 

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from bad_inputs import refused, run_module
 from conftest import CONFIGS, ROOT
 from distributed import run_distributed
+
 from megatron_id.config import load_config
 
 TINY = str(CONFIGS / "model" / "tiny.yaml")

@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpus"
@@ -64,8 +63,8 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     assert f"steps {int(stopped[5:]) + 1}-8 |" in log, log[-3000:]   # the second attempt's header
     state = json.loads((out / "state.json").read_text())
     cells = [f"{m}-seed{s}" for m in ("softmax", "interdomain") for s in (1, 2)]
-    assert {f"eval:length/{c}" for c in cells} | {f"eval:mqar/{m}-d64-lr1e-3-seed{s}" for m in ("softmax", "interdomain")
-                                                  for s in (1, 2)} <= set(state)
+    mqar = {f"eval:mqar/{m}-d64-lr1e-3-seed{s}" for m in ("softmax", "interdomain") for s in (1, 2)}
+    assert {f"eval:length/{c}" for c in cells} | mqar <= set(state)
     report = (out / "replication.md").read_text()
     for part in ("## The orderings", "| interdomain flat to 3.5x (context 256) |", "## Length extrapolation",
                  "| interdomain |", "## Recall: multi-query associative recall", "| softmax-d64 | softmax | AA |",
@@ -73,8 +72,9 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
                  "python launch/reproduce.py --smoke"):
         assert part in report, part
     # a row's spread is its seeds' own results
-    ratios = [json.loads((out / "eval" / "length" / c / "results.json").read_text())["results"][0]["contexts"][3]["vs_1x"]
-              for c in ("interdomain-seed1", "interdomain-seed2")]
+    results = [json.loads((out / "eval" / "length" / c / "results.json").read_text())
+               for c in ("interdomain-seed1", "interdomain-seed2")]
+    ratios = [r["results"][0]["contexts"][3]["vs_1x"] for r in results]
     row = next(line for line in report.splitlines() if line.startswith("| interdomain flat to 3.5x"))
     assert f"{sum(ratios) / 2:.3f} [{min(ratios):.3f}, {max(ratios):.3f}]x" in row, row
     assert (out / "replication-plots" / "length.png").stat().st_size > 10_000

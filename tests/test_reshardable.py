@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import CONFIGS
 from distributed import run_distributed
+
 from megatron_id.config import load_config
 
 BEFORE, AFTER = 3, 5
@@ -58,8 +58,9 @@ def test_optimizer_state_reshards_to_other_layouts(fineweb_prefix, tmp_path):
     # offline: the same state from DeepSpeed's own files, into a new folder (the source untouched)
     import subprocess
     import sys
-    from safetensors.torch import load_file
+
     from conftest import ROOT, copy_without_reshardable_optimizer
+    from safetensors.torch import load_file
     # the checkpoint as a run without train.reshardable_optimizer writes it
     plain = copy_without_reshardable_optimizer(ckpt, f"iter_{BEFORE:07d}", tmp_path / "plain")
     converted = tmp_path / "converted"
@@ -86,7 +87,8 @@ def test_optimizer_state_reshards_to_other_layouts(fineweb_prefix, tmp_path):
     for name in saved_files:
         want, got = load_file(str(optim / name)), load_file(str(new / name))
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
-    assert json.loads((new / "meta.json").read_text())["adam_step"] == json.loads((optim / "meta.json").read_text())["adam_step"]
+    assert (json.loads((new / "meta.json").read_text())["adam_step"]
+            == json.loads((optim / "meta.json").read_text())["adam_step"])
     losses = run_distributed(_load_then_continue, 2, timeout=300, args=(
         items(fineweb_prefix, 1, 1, 2, f"train.load={converted}"),))[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) <= 1e-5
@@ -125,6 +127,7 @@ def test_tied_embeddings_reshard_across_pipeline_stages(fineweb_prefix, tmp_path
 def _convert(plain, converted):
     import subprocess
     import sys
+
     from conftest import ROOT
     return subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(plain),
                            "--output", str(converted)], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -13,8 +13,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from megatron_id.cli import build_parser
 from megatron_id.config import load_config
 from megatron_id.training.layout import training_layout
@@ -235,7 +235,8 @@ def test_chain_submits_jobs_that_depend_on_the_previous_one(tmp_path, monkeypatc
                      f"--export=ALL,MEGATRON_ID_RUN_DIR={tmp_path / 'runs' / name}"):
             assert flag in first, flag
         cfg = load_config([ROOT / "configs/model/125m.yaml"],
-                          build_parser().parse_args(["train", *first[first.index("launch/slurm/train.sbatch") + 1:]]).overrides)
+                          build_parser().parse_args(
+                              ["train", *first[first.index("launch/slurm/train.sbatch") + 1:]]).overrides)
         assert cfg.data.data_path == ["/data/x_text_document"]
 
 

@@ -18,7 +18,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import ROOT
 from hf_tiny import tiny_export
 
@@ -92,7 +91,7 @@ def export(tmp_path_factory):
 
 
 def references(folder, max_tokens: int) -> dict:
-    from megatron_id.generation import generate_ids, load_trained
+    from megatron_id.inference.generate import generate_ids, load_trained
     trained = load_trained(folder)
     out = {}
     for prompt in PROMPTS:
@@ -226,8 +225,10 @@ def test_serve_refuses_bad_options_before_loading(tmp_path, capsys):
 def test_a_request_for_another_model_gets_404_as_from_openai_servers(export):
     """Before: a body naming any model was served by this one, without a word."""
     import asyncio
+
     from aiohttp.test_utils import TestClient, TestServer
-    from megatron_id.generation import load_trained
+
+    from megatron_id.inference.generate import load_trained
     from megatron_id.inference.server import build_app
 
     class Idle:   # no request gets as far as the engine here
@@ -251,6 +252,7 @@ def test_a_request_for_another_model_gets_404_as_from_openai_servers(export):
 def test_a_host_or_port_that_cannot_be_listened_on_is_named_before_loading(export, tmp_path, capsys):
     """Before: `--host 999.1.1.1` failed after the model was loaded, with an OSError naming no flag."""
     from bad_inputs import refused
+
     from megatron_id.cli import main
     refused(["megatron_id.cli", "serve", "--checkpoint", tmp_path / "not-loaded", "--host", "999.1.1.1"],
             mention=r"--host 999.1.1.1: not an address or a host name that resolves .*give an address of this "
@@ -270,6 +272,7 @@ def test_a_kv_pool_larger_than_the_memory_is_refused_before_it_is_allocated(expo
     out-of-memory killer ended it). Now the pool is compared with the memory first, named, and
     the largest --max-model-len that fits is said."""
     import re
+
     from megatron_id.cli import main
     from megatron_id.inference import fused_decode
     hybrid = tiny_export(tmp_path / "hf", "hybrid")
@@ -284,7 +287,8 @@ def test_a_kv_pool_larger_than_the_memory_is_refused_before_it_is_allocated(expo
     assert main(["serve", "--checkpoint", str(export), "--slots", "10000000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(r"--max-model-len 64 \(the seq_length of the model\) x --slots 10,000,000: the recurrent states "
-                     r"and logits of 10,000,000 slot\(s\) would take [\d,.]+ GiB .*more than 80% of the 8.0 GiB of host "
+                     r"and logits of 10,000,000 slot\(s\) would take [\d,.]+ GiB .*more than 80% of the 8.0 GiB "
+                     r"of host "
                      r"memory available. Lower --max-model-len or --slots \(at most [\d,]+ slot\(s\) fit\)", err), err
     # generate refuses the same way before the prompt is echoed, one prompt or a file of them
     (tmp_path / "prompts.txt").write_text("Rivers\n")

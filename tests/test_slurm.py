@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CONFIGS, ROOT
 from slurm_cluster import cluster_for_tests
 
@@ -51,8 +50,9 @@ def submit(cluster, run_dir: Path, train_args, *sbatch_args, env=None, tasks_per
     run_dir.mkdir(parents=True, exist_ok=True)
     exports = {"MEGATRON_ID_DEVICE": "cpu", "MEGATRON_ID_RUN_DIR": str(run_dir),
                "MEGATRON_ID_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
-    return cluster.sbatch(["--nodes=2", f"--ntasks-per-node={tasks_per_node}", "--time=10", f"--job-name={run_dir.name}",
-                           f"--output={run_dir}/slurm-%j.out", *sbatch_args, SCRIPT, *train_args],
+    return cluster.sbatch(["--nodes=2", f"--ntasks-per-node={tasks_per_node}", "--time=10",
+                           f"--job-name={run_dir.name}", f"--output={run_dir}/slurm-%j.out", *sbatch_args,
+                           SCRIPT, *train_args],
                           cwd=ROOT, env=exports)
 
 
@@ -201,7 +201,8 @@ def _rank_pid(job: str, rank: int) -> int | None:
 def test_a_killed_rank_ends_the_job_within_60_s(cluster, fineweb_prefix, tmp_path):
     """2 nodes x 1 task (DP=2): rank 1, on the second node, is killed."""
     run = tmp_path / "killed"
-    job = submit(cluster, run, ["--config", TINY, *items(fineweb_prefix, 1, 1, run / "tb", "train.train_tokens=10000000")],
+    job = submit(cluster, run,
+                 ["--config", TINY, *items(fineweb_prefix, 1, 1, run / "tb", "train.train_tokens=10000000")],
                  tasks_per_node=1)
     wait_for_text(cluster, run, job, "step 2/")
     pid = _rank_pid(job, 1)

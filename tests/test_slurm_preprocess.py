@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 from slurm_cluster import cluster_for_tests
 

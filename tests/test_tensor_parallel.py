@@ -8,19 +8,30 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import CONFIGS, relative_error
 from distributed import RankError, run_distributed
+
 from megatron_id.config import load_config
 from megatron_id.model import LanguageModel, lm_loss
 from megatron_id.model.init import initialize
 from megatron_id.model.layers import Embedding, Linear, RMSNorm
-from megatron_id.parallel import (ColumnParallelLinear, LayoutError, PartialGradRMSNorm,
-                                  RowParallelLinear, VocabParallelEmbedding, check_layout,
-                                  check_model_split, check_sizes, gather_logits, merge_state_dicts,
-                                  padded_vocab_size, parallelize, split_state_dict,
-                                  vocab_parallel_cross_entropy)
-from megatron_id.parallel import state
+from megatron_id.parallel import (
+    ColumnParallelLinear,
+    LayoutError,
+    PartialGradRMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_layout,
+    check_model_split,
+    check_sizes,
+    gather_logits,
+    merge_state_dicts,
+    padded_vocab_size,
+    parallelize,
+    split_state_dict,
+    state,
+    vocab_parallel_cross_entropy,
+)
 from megatron_id.parallel.tensor_parallel import TP_ATTRIBUTES, parallel_model
 
 TOL = 1e-5

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bad_inputs import refused
 from conftest import CONFIGS, ROOT
 from distributed import RankError, run_distributed
+
 from megatron_id.config import ConfigError, load_config
 from megatron_id.training.optim import learning_rate
 
@@ -52,7 +52,8 @@ def test_linear_constant_and_the_papers_cosine():
     assert learning_rate(50, constant, 1000) == pytest.approx(5e-4) and learning_rate(999_999, constant, 1000) == 1e-3
     assert learning_rate(550, cosine, 1000) == pytest.approx(1e-4 + 9e-4 * 0.5)
     assert load_config([]).optimizer.schedule.value == "cosine"   # the default is the paper's
-    with pytest.raises(ConfigError, match=r"optimizer.decay_shape=sqrt is invalid: it must be one of linear, cosine, 1-sqrt"):
+    with pytest.raises(ConfigError,
+                       match=r"optimizer.decay_shape=sqrt is invalid: it must be one of linear, cosine, 1-sqrt"):
         _opt("optimizer.decay_shape=sqrt")
     with pytest.raises(ConfigError, match=r"optimizer.decay_fraction=0.0 is invalid"):
         _opt("optimizer.decay_fraction=0")
@@ -80,6 +81,7 @@ def test_the_step_timer_adds_up_and_the_profiler_writes_a_trace(tmp_path):
     import time
 
     import torch
+
     from megatron_id.training.profiling import ProfileWindow, StepTimer
     timer = StepTimer("cpu")
     timer.start(True)
@@ -135,6 +137,7 @@ def test_options_that_cannot_work_are_refused_before_any_work(fineweb_prefix, tm
 
 def test_wandb_asked_for_and_missing_is_one_line(monkeypatch):
     import importlib.util
+
     from megatron_id.training.metrics import check_wandb
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -183,6 +186,7 @@ def _train(rank, world, items, signal_at=None, kill_writing=None):
     kill_writing: SIGKILL in the background write of that checkpoint (any rank)."""
     import os
     import signal
+
     from megatron_id.checkpoint import background
     from megatron_id.training.engine import Trainer
     if kill_writing:
@@ -326,7 +330,8 @@ def test_only_a_resume_of_the_same_run_trims_the_metrics_file(tmp_path, capsys):
     with open_metrics_file(path, 0) as f:   # a fresh run: appends after the earlier run's 16 lines
         f.write(_lines(1))
     assert path.read_text() == earlier + _lines(1)
-    assert "holds 16 lines (steps 1-16) of an earlier run: this run starts at step 1 and appends" in capsys.readouterr().err
+    assert ("holds 16 lines (steps 1-16) of an earlier run: this run starts at step 1 and appends"
+            in capsys.readouterr().err)
     ten = len(_lines(*range(1, 11)).encode())
     cases = [(None, "records no metrics file"),                                          # a checkpoint without a record
              ({"path": str(tmp_path / "other.jsonl"), "bytes": ten}, "records " + str(tmp_path / "other.jsonl")),
@@ -358,8 +363,8 @@ def test_wsd_ends_at_min_lr_on_the_last_step_whatever_the_fraction(shape):
     step_tokens, steps = 64, 16
     for fraction, decaying in ((0.01, 1), (0.1, 2), (0.25, 4), (0.5, 8), (1.0, 16)):
         for warmup in (0, 64):
-            opt = _opt("optimizer.schedule=wsd", f"optimizer.decay_fraction={fraction}", f"optimizer.decay_shape={shape}",
-                       f"optimizer.warmup_tokens={warmup}")
+            opt = _opt("optimizer.schedule=wsd", f"optimizer.decay_fraction={fraction}",
+                       f"optimizer.decay_shape={shape}", f"optimizer.warmup_tokens={warmup}")
             lrs = [learning_rate(k * step_tokens, opt, steps * step_tokens, step_tokens) for k in range(steps)]
             assert lrs[-1] == pytest.approx(1e-4), (fraction, warmup)
             assert wsd_decay_steps(fraction, steps) == decaying
@@ -404,7 +409,8 @@ def test_settings_that_would_be_ignored_are_said_before_any_work():
     assert "this run has ranks 0-1, so 2, 3 will not trace and nothing will be profiled" in line
     assert warnings("train.profile.ranks=[5]") == []   # no train.profile.dir: no profiling asked for
     (line,) = warnings("data.split=100,0,0", "train.eval_iters=2")
-    assert "data.split=100,0,0 leaves no validation documents, so no validation will run although train.eval_iters=2" in line
+    assert ("data.split=100,0,0 leaves no validation documents, so no validation will run although "
+            "train.eval_iters=2") in line
     (line,) = warnings("data.split=100,0,0", "data.valid_sets.wiki=[w]")
     assert "so only data.valid_sets (wiki) will be validated" in line
     assert warnings("data.split=100,0,0", "train.eval_iters=0") == []
@@ -418,16 +424,19 @@ def test_interrupted_before_the_first_save_names_save_interval(tmp_path):
     """Ctrl-C before the first checkpoint advised 'set train.save and train.save_interval' with
     train.save set; now it names the interval (and train.save only when it is unset)."""
     from types import SimpleNamespace
+
     from megatron_id.training.engine import Trainer
     cfg = load_config([TINY], [f"train.save={tmp_path / 'ck'}", "train.save_interval=500"])
     said = Trainer._last_checkpoint(SimpleNamespace(cfg=cfg))
-    assert said == f"none yet in {tmp_path / 'ck'} (the first save comes at step 500, train.save_interval; lower it to save sooner)"
+    assert said == (f"none yet in {tmp_path / 'ck'} (the first save comes at step 500, train.save_interval; "
+                    "lower it to save sooner)")
     said = Trainer._last_checkpoint(SimpleNamespace(cfg=load_config([TINY], [])))
     assert said == "none (train.save is unset: set train.save=<folder> to keep checkpoints)"
 
 
 def test_export_at_end_into_a_folder_that_cannot_be_written_is_refused_at_start(tmp_path, monkeypatch):
     import os
+
     from megatron_id.training.engine import check_export_at_end
     cfg = load_config([TINY], [f"train.save={tmp_path / 'ck'}", f"data.tokenizer={GPT2}",
                                f"train.export_hf_at_end={tmp_path / 'out' / 'hf'}"])
@@ -447,7 +456,8 @@ def test_wandb_online_without_an_api_key_is_refused_before_any_work(tmp_path, mo
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     online = load_config([], ["train.wandb.project=p"])
     with pytest.raises(ConfigError, match=r"train.wandb.mode=online \(the default\) uploads to W&B, and no API key was "
-                                          r"found .*run `wandb login` or set WANDB_API_KEY, or set train.wandb.mode=offline"):
+                                          r"found .*run `wandb login` or set WANDB_API_KEY, "
+                                          r"or set train.wandb.mode=offline"):
         check_wandb(online)
     check_wandb(load_config([], ["train.wandb.project=p", "train.wandb.mode=offline"]))   # no key needed
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
@@ -475,7 +485,8 @@ def test_refusals_of_the_loop_come_before_any_work(fineweb_prefix, tmp_path):
                    unchanged=[tmp_path], env={"HOME": str(home), "WANDB_API_KEY": "", "NETRC": "",
                                               "WANDB_CONFIG_DIR": str(home)})
     assert "training " not in done.stderr   # before the model is built (it was 40 lines after)
-    refused(train + _group_a_items(fineweb_prefix, tmp_path / "run", f"train.export_hf_at_end={tmp_path / 'notes.txt' / 'hf'}"),
+    refused(train + _group_a_items(fineweb_prefix, tmp_path / "run",
+                                   f"train.export_hf_at_end={tmp_path / 'notes.txt' / 'hf'}"),
             mention=rf"train.export_hf_at_end=.*notes.txt/hf: {tmp_path}/notes.txt is a file, not a folder",
             unchanged=[tmp_path])
     # job-prepare: a config that train refuses is refused by the same check, before anything is recorded
@@ -516,12 +527,14 @@ def test_a_fresh_run_keeps_earlier_lines_decays_to_min_lr_and_a_rerun_says_it_is
     assert "the wsd decay takes the last 1 step" in done.stderr
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, *range(1, 17)] and "train/lr" not in lines[0]
-    assert [line["train/lr"] for line in lines[3:]] == [3e-3] * 15 + [pytest.approx(1e-5)]   # tiny.yaml's lr, the default min_lr
+    # tiny.yaml's lr, the default min_lr
+    assert [line["train/lr"] for line in lines[3:]] == [3e-3] * 15 + [pytest.approx(1e-5)]
     assert (run / "hf" / "model.safetensors").is_file()
     before = snapshot(run)
     again = run_module("megatron_id.cli", ["train", *items, f"train.load={run / 'ckpt'}"])
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stderr.strip().splitlines()
-    assert said[-2].startswith(f"already finished at step 16: train.load={run / 'ckpt'} holds the run's end; nothing to train")
+    assert said[-2].startswith(f"already finished at step 16: train.load={run / 'ckpt'} holds the run's end; "
+                               "nothing to train")
     assert said[-1].startswith(f"train.export_hf_at_end={run / 'hf'}: kept the export there, not exported again")
     assert "training " not in again.stderr and snapshot(run) == before

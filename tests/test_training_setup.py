@@ -3,8 +3,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import CONFIGS
+
 from megatron_id.config import ConfigError, load_config
 from megatron_id.model import LanguageModel
 from megatron_id.training.layout import deepspeed_config, training_layout

@@ -180,6 +180,7 @@ def simulated_gpu(monkeypatch):
     cannot launch there: _query_backward_dv needs more shared memory than the block allows
     (the OutOfResources Triton raises at launch, for every autotuning config)."""
     from triton.runtime.errors import OutOfResources
+
     from megatron_id.ops.interdomain import chunked, triton_chunked
     monkeypatch.setattr(chunked, "_kernel_candidate", lambda x: x.dtype != torch.float64)
     monkeypatch.setattr(chunked, "_WARNED", set())
@@ -228,6 +229,7 @@ def test_forced_triton_names_the_kernel_the_shape_and_the_limit(simulated_gpu):
 
 def test_auto_without_usable_triton_warns_once_and_uses_pytorch(monkeypatch):
     import warnings
+
     from megatron_id.ops.interdomain import chunked
     monkeypatch.setattr(chunked, "_kernel_candidate", lambda x: True)
     monkeypatch.setattr(chunked, "_WARNED", set())

@@ -5,9 +5,9 @@ the layouts ZeRO-3 cannot serve are refused before any work."""
 import math
 
 import pytest
-
 from conftest import CONFIGS
 from distributed import run_distributed
+
 from megatron_id.config import ConfigError, load_config
 
 TINY = CONFIGS / "model" / "tiny.yaml"
@@ -72,6 +72,7 @@ def _nonfinite(rank, world, items, bad_steps, steps):
     """Step 3 gets a NaN loss (odd) and step 4 a NaN in one gradient (even). Returns per step:
     skipped?, this rank's partitions unchanged by the step?"""
     import torch
+
     from megatron_id.training.engine import Trainer
     trainer = Trainer(load_config([TINY], items))
     params = list(trainer.engine.module.parameters())
@@ -159,6 +160,7 @@ def test_zero3_checkpoint_resumes_exactly_at_the_same_layout(fineweb_prefix, tmp
     assert start == 2 and abs(loss - uninterrupted[2]) <= 1e-5 * abs(uninterrupted[2]), (loss, uninterrupted)
     # and the Hugging Face export of the ZeRO-3 checkpoint holds those same weights
     from safetensors.torch import load_file
+
     from megatron_id.hf.export import export_hf
     export_hf(at_step_2, tmp_path / "hf", tokenizer=TOKENIZER)
     exported = {k.removeprefix("model."): v for k, v in load_file(str(tmp_path / "hf" / "model.safetensors")).items()}
@@ -168,6 +170,7 @@ def test_zero3_checkpoint_resumes_exactly_at_the_same_layout(fineweb_prefix, tmp
     # its optimizer state cannot move: convert-checkpoint says so and writes nothing
     import subprocess
     import sys
+
     from conftest import ROOT
     out = tmp_path / "converted"
     done = subprocess.run([sys.executable, "-m", "megatron_id.cli", "convert-checkpoint", "--input", str(ckpt),

@@ -51,6 +51,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -180,6 +181,54 @@ def main(argv=None) -> int:
 
 
 def submit(argv: list[str]) -> int:
+    args, flags, inputs = parse_command_line(argv)
+    job = check_like_preprocess(args, flags, inputs)   # 1.
+    slice_inputs(job)                                  # 2.
+    array_cmd = array_command(job)
+    print_plan(job)
+    if args.dry_run:
+        print("dry run: nothing written or submitted; the commands would be:")
+        print("  " + shlex.join(array_cmd))
+        print("  " + shlex.join(merge_command(job, "<array job id>")))
+        return 0
+    if shutil.which("sbatch") is None:
+        raise SubmitError("sbatch not found: run this where SLURM's client commands are installed "
+                          "(a login node), or add --dry-run to see the commands.")
+    created = write_work_folder(job)                   # 3.
+    array_id, merge_id = submit_jobs(job, array_cmd, created)   # 4.
+    print_submitted(job, array_id, merge_id)
+    return 0
+
+
+@dataclass
+class Job:
+    """What one submission works on, filled in step by step (the numbers of the module docstring)."""
+    args: argparse.Namespace    # this helper's options
+    flags: list[str]            # the preprocess flags, less --overwrite
+    pre: argparse.Namespace     # the preprocess run they make, over every input
+    prefix: Path                # --output-prefix, absolute
+    files: list[Path]           # the inputs, expanded, absolute, in order
+    finals: list[str]           # the merged outputs' prefixes, one per --json-keys key
+    work: Path                  # <output-prefix>.preprocess
+    n: int = 0                  # array tasks
+    sizes: list[int] = field(default_factory=list)               # bytes per input
+    slices: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of the inputs per task
+
+    @property
+    def logs(self) -> Path:
+        return self.work / "logs"
+
+    @property
+    def parts(self) -> Path:
+        return self.work / "parts"
+
+    def common_sbatch(self) -> list[str]:
+        """The sbatch options both jobs get."""
+        return ([f"--partition={self.args.partition}"] if self.args.partition else []) + self.args.sbatch_arg
+
+
+def parse_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """This helper's options (checked), the preprocess flags and the inputs."""
     options, flags, inputs = split_command_line(argv)
     args = build_parser().parse_args(options)
     for flag in flags:
@@ -197,8 +246,12 @@ def submit(argv: list[str]) -> int:
     for flag, value in (("--cpus-per-task", args.cpus_per_task), ("--max-running", args.max_running)):
         if value is not None and value < 1:
             raise SubmitError(f"{flag} {value}: must be at least 1.")
+    return args, flags, inputs
 
-    # 1. everything preprocess checks before working, with the same messages
+
+def check_like_preprocess(args, flags: list[str], inputs: list[str]) -> Job:
+    """Step 1: everything preprocess checks before working, with the same messages; and no
+    earlier submission for this output still queued."""
     check_prefix(args.output_prefix, "--output-prefix", "fineweb", "{}_text_document.bin/.idx")
     prefix = Path(args.output_prefix).absolute()
     parser = preprocess_parser()
@@ -228,94 +281,107 @@ def submit(argv: list[str]) -> int:
         raise SubmitError(f"jobs of an earlier submission for this output are still queued or "
                           f"running ({'; '.join(queued)}): wait for them or scancel them first "
                           f"(their parts are in {work}/parts).")
+    return Job(args, flags, pre, prefix, files, finals, work)
 
-    # 2. contiguous slices of about equal bytes
-    n = args.array_size
-    if n > len(files):
-        print(f"{PROG}: --array-size {n} is more than the {len(files)} input"
-              f"{'s' if len(files) > 1 else ''}: using {len(files)} array task"
-              f"{'s' if len(files) > 1 else ''} (one input each)", file=sys.stderr)
-        n = len(files)
-    sizes = [size_of(p) for p in files]
-    slices = contiguous_slices(sizes, n)
 
-    # 4. the commands
-    logs, parts = work / "logs", work / "parts"
-    common = [f"--partition={args.partition}"] if args.partition else []
-    common += args.sbatch_arg
+def slice_inputs(job: Job) -> None:
+    """Step 2: contiguous slices of about equal bytes, no more than there are inputs."""
+    n = job.args.array_size
+    if n > len(job.files):
+        print(f"{PROG}: --array-size {n} is more than the {len(job.files)} input"
+              f"{'s' if len(job.files) > 1 else ''}: using {len(job.files)} array task"
+              f"{'s' if len(job.files) > 1 else ''} (one input each)", file=sys.stderr)
+        n = len(job.files)
+    job.n = n
+    job.sizes = [size_of(p) for p in job.files]
+    job.slices = contiguous_slices(job.sizes, n)
+
+
+def array_command(job: Job) -> list[str]:
+    """The sbatch command of the array job (launch/slurm/preprocess.sbatch)."""
+    args = job.args
     throttle = f"%{args.max_running}" if args.max_running else ""
-    array_cmd = ["sbatch", "--parsable", f"--array=0-{n - 1}{throttle}",
-                 f"--output={logs}/preprocess-%A_%a.out", *common]
+    cmd = ["sbatch", "--parsable", f"--array=0-{job.n - 1}{throttle}",
+           f"--output={job.logs}/preprocess-%A_%a.out", *job.common_sbatch()]
     if args.time:
-        array_cmd.append(f"--time={args.time}")
+        cmd.append(f"--time={args.time}")
     if args.cpus_per_task:
-        array_cmd.append(f"--cpus-per-task={args.cpus_per_task}")
-    array_cmd += [str(PREPROCESS_SBATCH), str(work), *flags]
+        cmd.append(f"--cpus-per-task={args.cpus_per_task}")
+    return cmd + [str(PREPROCESS_SBATCH), str(job.work), *job.flags]
+
+
+def merge_command(job: Job, array_id: str) -> list[str]:
+    """The sbatch command of the merge job (launch/slurm/merge.sbatch), after array job `array_id`."""
+    args = job.args
+    cmd = ["sbatch", "--parsable", f"--dependency=afterok:{array_id}", "--kill-on-invalid-dep=yes",
+           f"--output={job.logs}/merge-%j.out", *job.common_sbatch()]
     merge_time = args.merge_time or args.time
+    if merge_time:
+        cmd.append(f"--time={merge_time}")
+    cmd.append(str(MERGE_SBATCH))
+    cmd += ["--overwrite"] if args.overwrite else []
+    cmd += ["--keep-parts"] if args.keep_parts else []
+    return cmd + [str(job.work), str(job.prefix), *job.pre.json_keys]
 
-    def merge_cmd(array_id: str) -> list[str]:
-        cmd = ["sbatch", "--parsable", f"--dependency=afterok:{array_id}", "--kill-on-invalid-dep=yes",
-               f"--output={logs}/merge-%j.out", *common]
-        if merge_time:
-            cmd.append(f"--time={merge_time}")
-        cmd.append(str(MERGE_SBATCH))
-        cmd += ["--overwrite"] if args.overwrite else []
-        cmd += ["--keep-parts"] if args.keep_parts else []
-        return cmd + [str(work), str(prefix), *pre.json_keys]
 
+def print_plan(job: Job) -> None:
+    """The inputs and the part each array task gets."""
+    files, sizes, n = job.files, job.sizes, job.n
     print(f"{PROG}: {len(files)} input{'s' if len(files) > 1 else ''}, {human(sum(sizes))}, in {n} "
           f"contiguous part{'s' if n > 1 else ''} (merged in input order):")
-    for i, (a, b) in enumerate(slices):
+    for i, (a, b) in enumerate(job.slices):
         span = files[a].name if b - a == 1 else f"{files[a].name} .. {files[b - 1].name}"
         print(f"  part {i}: {b - a} input{'s' if b - a > 1 else ''}, {human(sum(sizes[a:b]))} ({span})")
-    if args.dry_run:
-        print("dry run: nothing written or submitted; the commands would be:")
-        print("  " + shlex.join(array_cmd))
-        print("  " + shlex.join(merge_cmd("<array job id>")))
-        return 0
 
-    if shutil.which("sbatch") is None:
-        raise SubmitError("sbatch not found: run this where SLURM's client commands are installed "
-                          "(a login node), or add --dry-run to see the commands.")
 
-    # 3. the work folder
-    created = make_folder(work)
-    for folder in (logs, parts):
+def write_work_folder(job: Job) -> list[Path]:
+    """Step 3: the work folder with the input lists (an earlier submission's parts and lists
+    replaced); returns the folders created (make_folder's list), for removal if nothing is submitted."""
+    created = make_folder(job.work)
+    for folder in (job.logs, job.parts):
         folder.mkdir(parents=True, exist_ok=True)
-    for old in parts.iterdir():
+    for old in job.parts.iterdir():
         if PART_FILE.fullmatch(old.name) and old.is_file():
             old.unlink()
-    (work / "jobs.txt").unlink(missing_ok=True)
-    (work / "files.txt").write_text("".join(f"{p}\n" for p in files))
-    for i, (a, b) in enumerate(slices):
-        (parts / f"part-{i}.txt").write_text("".join(f"{p}\n" for p in files[a:b]))
+    (job.work / "jobs.txt").unlink(missing_ok=True)
+    (job.work / "files.txt").write_text("".join(f"{p}\n" for p in job.files))
+    for i, (a, b) in enumerate(job.slices):
+        (job.parts / f"part-{i}.txt").write_text("".join(f"{p}\n" for p in job.files[a:b]))
+    return created
 
+
+def submit_jobs(job: Job, array_cmd: list[str], created: list[Path]) -> tuple[str, str]:
+    """Step 4: the array job, then the merge depending on it, their ids in jobs.txt. Nothing is
+    left behind when the array job is refused; the array job is cancelled when the merge is."""
     env = dict(os.environ)
     env.setdefault("MEGATRON_ID_PYTHON", sys.executable)
     try:
         array_id = sbatch(array_cmd, env)
     except SubmitError:
         if created:   # nothing was submitted: leave nothing behind
-            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(job.work, ignore_errors=True)
             remove_folders(created[1:])
         raise
-    (work / "jobs.txt").write_text(f"preprocess {array_id}\n")
+    (job.work / "jobs.txt").write_text(f"preprocess {array_id}\n")
     try:
-        merge_id = sbatch(merge_cmd(array_id), env)
+        merge_id = sbatch(merge_command(job, array_id), env)
     except SubmitError:
         subprocess.run(["scancel", array_id], capture_output=True, timeout=60)
         print(f"{PROG}: the merge job could not be submitted: array job {array_id} was cancelled",
               file=sys.stderr)
         raise
-    (work / "jobs.txt").write_text(f"preprocess {array_id}\nmerge {merge_id}\n")
-    outputs = ", ".join(f"{p}.{{bin,idx,meta.json}}" for p in finals)
-    print(f"submitted preprocess array job {array_id} (tasks 0-{n - 1})")
+    (job.work / "jobs.txt").write_text(f"preprocess {array_id}\nmerge {merge_id}\n")
+    return array_id, merge_id
+
+
+def print_submitted(job: Job, array_id: str, merge_id: str) -> None:
+    outputs = ", ".join(f"{p}.{{bin,idx,meta.json}}" for p in job.finals)
+    print(f"submitted preprocess array job {array_id} (tasks 0-{job.n - 1})")
     print(f"submitted merge job {merge_id} (starts when every task has succeeded; cancelled, "
           f"Reason=DependencyNeverSatisfied, if one fails)")
-    print(f"  logs:   {logs}/preprocess-{array_id}_<task>.out, {logs}/merge-{merge_id}.out")
+    print(f"  logs:   {job.logs}/preprocess-{array_id}_<task>.out, {job.logs}/merge-{merge_id}.out")
     print(f"  output: {outputs}")
     print(f"  check:  squeue -j {array_id},{merge_id}; scontrol show job {merge_id} (JobState, Reason)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@
     read.py        the weights of any (TP, PP) layout, memory-mapped: one tensor at a time
                    (export), whole (generate) or one rank's slices (loading at another layout);
                    writing a weights-only checkpoint (import)
+    deepspeed_files.py  DeepSpeed's own files: their names and their safe loading
+                   (weights_only=True with DeepSpeed's few objects allowed), for read.py,
+                   reshard.py and engine_io.py
     reshard.py     optimizer state per parameter (optim/), loadable at any layout, and the
                    offline conversion from DeepSpeed's ZeRO files (`megatron-id convert-checkpoint`)
     engine_io.py   save and load of a DeepSpeed training run (the Trainer calls these)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .files import commit, finish_staging, prune, write_client_state
 from ..errors import is_disk_full
+from .files import commit, finish_staging, prune, write_client_state
 from .integrity import CheckpointError, checkpoint_files, manifest_entries, write_manifest
 from .space import checkpoint_disk_full, remove_partial
 

@@ -28,13 +28,36 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-from ..parallel.pipeline import from_model_names, pipeline_state_dict
 from ..errors import DiskFullError, is_disk_full
+from ..model import LanguageModel
+from ..parallel.pipeline import from_model_names, pipeline_state_dict
 from . import reshard, space
-from .files import (STAGING, ClientState, commit, describe, finish_staging, latest_folder, layout_record, prune,
-                    read_client_state, staging_folder, tag_for, write_client_state)
-from .integrity import (CheckpointError, checkpoint_files, manifest_entries, mark_settled, read_manifest,
-                        verify_checkpoint, warn_unverified, write_manifest)
+from .background import BackgroundSave, host_copy_engine
+from .deepspeed_files import safe_load
+from .files import (
+    STAGING,
+    ClientState,
+    commit,
+    describe,
+    finish_staging,
+    latest_folder,
+    layout_record,
+    prune,
+    read_client_state,
+    staging_folder,
+    tag_for,
+    write_client_state,
+)
+from .integrity import (
+    CheckpointError,
+    checkpoint_files,
+    manifest_entries,
+    mark_settled,
+    read_manifest,
+    verify_checkpoint,
+    warn_unverified,
+    write_manifest,
+)
 from .read import iter_local_state
 from .rules import cross_layout_error, optimizer_state_loadable, weights_only_resume_error
 
@@ -91,7 +114,6 @@ def save(trainer, root, client: ClientState, background: bool = False):
 
 
 def _save_in_background(trainer, root: Path, staged: Path, client: ClientState):
-    from .background import BackgroundSave, host_copy_engine
     engine = trainer.engine
     host, original = host_copy_engine(), engine.checkpoint_engine
     engine.checkpoint_engine = host   # DeepSpeed's files: kept in host memory, written by the thread
@@ -228,7 +250,6 @@ def load(trainer, root) -> ClientState:
 
 def _local_model_names(trainer) -> list[str]:
     """The single-device model's state-dict names this rank holds (its pipeline stage's)."""
-    from ..model import LanguageModel
     cfg = trainer.cfg.model
     if not trainer.pipelined:
         return list(trainer.engine.module.state_dict())
@@ -257,7 +278,7 @@ def load_weights(trainer, folder: Path, saved: dict) -> None:
             keys.setdefault(name, []).append(key)
     else:
         keys = {name: [name] for name in names}
-    import deepspeed   # ZeRO-3: a parameter holds its DP partition only: gather, copy, re-partition
+    import deepspeed  # ZeRO-3: a parameter holds its DP partition only: gather, copy, re-partition
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):   # no-op below ZeRO-3
         targets = module.state_dict(keep_vars=True)
         wanted = {key for group in keys.values() for key in group}
@@ -283,14 +304,12 @@ def _mapped_load(path, map_location=None):
     DeepSpeed copies what it keeps into its own tensors, so the files' pages stay file-backed
     (the kernel can drop them) instead of a whole second copy of model and optimizer state in
     private memory. map_location is always the CPU: every tensor is copied to its device."""
-    from .reshard import _deepspeed_safe_globals
-    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:   # a file in torch's legacy (non-zip) format cannot be mapped
-            if "mmap" not in str(err):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return safe_load(path)
+    except RuntimeError as err:   # a file in torch's legacy (non-zip) format cannot be mapped
+        if "mmap" not in str(err):
+            raise
+        return safe_load(path, mmap=False)
 
 
 @contextmanager

@@ -22,21 +22,31 @@ leaves `latest` on a complete checkpoint; `prune` keeps the last K. Every file i
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import random
 import shutil
+import struct
+import sys
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
+from omegaconf import OmegaConf
 
+from ..atomic import write_atomic_text
 from ..config import ModelConfig
 from .integrity import CheckpointError, verify_file
 
 CLIENT_STATE = "client_state.pt"
 STAGING = ".incomplete"
 LOCK_FILE = ".lock"
-SAVE_FOLDER_ENTRIES = ("latest", ".latest.tmp", STAGING, LOCK_FILE)   # and iter_XXXXXXX
+# `latest` is written under this fixed name first: remove_stale_staging knows it, so a kill's leftover goes
+LATEST_TMP = ".latest.tmp"
+SAVE_FOLDER_ENTRIES = ("latest", LATEST_TMP, STAGING, LOCK_FILE)   # and iter_XXXXXXX
 
 
 def tag_for(step: int) -> str:
@@ -92,10 +102,8 @@ def commit(staged: Path, root: Path) -> Path:
     kill at any moment leaves `latest` on a complete checkpoint."""
     final = root / staged.name
     shutil.rmtree(final, ignore_errors=True)
-    os.replace(staged, final)
-    tmp = root / ".latest.tmp"
-    tmp.write_text(staged.name)
-    os.replace(tmp, root / "latest")   # the commit point
+    os.replace(staged, final)   # a folder: write_atomic is for files
+    write_atomic_text(root / "latest", staged.name, temp=root / LATEST_TMP)   # the commit point
     return final
 
 
@@ -117,9 +125,9 @@ def remove_stale_staging(folder) -> list[str]:
     holding the SaveLock, so no live run is writing them). Returns what was removed."""
     folder = Path(folder)
     removed = [str(p) for p in sorted((folder / STAGING).glob("iter_*"))]
-    if (folder / ".latest.tmp").exists():
-        removed.append(str(folder / ".latest.tmp"))
-        (folder / ".latest.tmp").unlink()
+    if (folder / LATEST_TMP).exists():
+        removed.append(str(folder / LATEST_TMP))
+        (folder / LATEST_TMP).unlink()
     finish_staging(folder)   # the rest is DeepSpeed's helper scripts, not news
     return removed
 
@@ -147,9 +155,6 @@ def _safetensors_header(order: list, specs: dict, dtype_names: dict, metadata) -
     """The header safetensors writes for `specs` ({name: (dtype, shape)}) in `order`: its length
     (8 bytes, little endian), then compact JSON (__metadata__ first, then the tensors in the
     order of their data), padded with spaces to a multiple of 8 bytes."""
-    import json
-    import math
-    import struct
     entries, offset = ({"__metadata__": metadata} if metadata is not None else {}), 0
     for name in order:
         dtype, shape = specs[name]
@@ -172,18 +177,16 @@ def save_safetensors(path, specs: dict, tensor_of, metadata: dict | None = None)
     header built here must equal the stand-in's byte for byte. Should a safetensors version
     write differently, every tensor is gathered and save_file writes the file instead (same
     bytes, more memory)."""
-    import json
-    import struct
-    import sys
-    from safetensors.torch import save, save_file
-    probe = save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in specs.items()}, metadata=metadata)
+    probe = safetensors.torch.save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in specs.items()},
+                                   metadata=metadata)
     size = struct.unpack("<Q", probe[:8])[0]
     layout = json.loads(probe[8:8 + size])
     order = sorted((k for k in layout if k != "__metadata__"), key=lambda k: layout[k]["data_offsets"][0])
     names = {k: layout[k]["dtype"] for k in order}
     same = _safetensors_header(order, {k: (specs[k][0], (1,)) for k in order}, names, metadata) == probe[:8 + size]
     if not same or sys.byteorder != "little":
-        save_file({name: tensor_of(name).contiguous() for name in specs}, str(path), metadata=metadata)
+        safetensors.torch.save_file({name: tensor_of(name).contiguous() for name in specs}, str(path),
+                                    metadata=metadata)
         return
     with open(path, "wb") as f:
         f.write(_safetensors_header(order, specs, names, metadata))
@@ -252,12 +255,10 @@ def read_client_state(folder: Path) -> ClientState:
 
 def model_config_dict(cfg: ModelConfig) -> dict:
     """The model config as plain values (enums as strings): loads with weights_only=True."""
-    from enum import Enum
     return {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(cfg).items()}
 
 
 def model_config_from_dict(values: dict) -> ModelConfig:
-    from omegaconf import OmegaConf
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import sys
 from pathlib import Path
 
+from ..atomic import write_atomic_text
 from ..errors import UserError
 
 MANIFEST = "manifest.json"
@@ -74,10 +74,9 @@ def checkpoint_files(folder: Path) -> list[str]:
 
 def write_manifest(folder: Path, entries: dict) -> None:
     folder = Path(folder)
-    tmp = folder / ".manifest.tmp"
-    tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": entries},
-                              indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, folder / MANIFEST)
+    # a fixed name that checkpoint_files leaves out (".manifest..."): a kill's leftover is never covered
+    text = json.dumps({"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": entries}, indent=1, sort_keys=True)
+    write_atomic_text(folder / MANIFEST, text + "\n", temp=folder / ".manifest.tmp")
 
 
 def read_manifest(folder: Path) -> dict | None:

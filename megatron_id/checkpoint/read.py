@@ -19,11 +19,26 @@ import torch
 from ..config import ModelConfig
 from ..errors import UserError
 from ..parallel.pipeline import from_model_names, saved_pieces, to_model_names
-from ..parallel.tensor_parallel import (VOCAB_PARAMETERS, Split, padded_vocab_size, parameter_role,
-                                       partition_dim)
-from .files import (CLIENT_STATE, ClientState, commit, finish_staging, latest_folder, layer_file, load_file,
-                    module_file, read_client_state, staging_folder, tag_for, write_client_state)
-from .integrity import checkpoint_files, manifest_entries, write_manifest
+from ..parallel.tensor_parallel import VOCAB_PARAMETERS, Split, padded_vocab_size, parameter_role, partition_dim
+from .deepspeed_files import safe_load, zero3_model_file, zero_optim_file
+from .files import (
+    CLIENT_STATE,
+    LATEST_TMP,
+    LOCK_FILE,
+    STAGING,
+    ClientState,
+    commit,
+    finish_staging,
+    latest_folder,
+    layer_file,
+    load_file,
+    module_file,
+    read_client_state,
+    staging_folder,
+    tag_for,
+    write_client_state,
+)
+from .integrity import checkpoint_files, manifest_entries, verify_file, write_manifest
 
 
 class CheckpointNotFoundError(UserError, FileNotFoundError):
@@ -47,11 +62,12 @@ def checkpoint_folder(path, also_export: bool = False) -> Path:
         return path
     names = sorted(p.name for p in path.iterdir())
     iters = [n for n in names if n.startswith("iter_") and (path / n / CLIENT_STATE).is_file()]
-    below = [p for p in sorted(path.iterdir()) if p.is_dir() and ((p / "latest").is_file() or (p / CLIENT_STATE).is_file()
-                                                                 or (also_export and (p / "config.json").is_file()))]
+    below = [p for p in sorted(path.iterdir())
+             if p.is_dir() and ((p / "latest").is_file() or (p / CLIENT_STATE).is_file()
+                                or (also_export and (p / "config.json").is_file()))]
     if not names:
         why = "it is empty: no checkpoint was saved there"
-    elif set(names) <= {".lock", ".incomplete", ".latest.tmp"}:
+    elif set(names) <= {LOCK_FILE, STAGING, LATEST_TMP}:
         why = (f"it holds no checkpoint yet (only {', '.join(names)}: a run saves there, train.save, but none "
                f"was committed)")
     elif iters:
@@ -117,31 +133,19 @@ class _Concatenated:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def zero3_model_file(dp: int, tp: int) -> str:
-    return f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt"
-
-
-def zero3_optim_file(dp: int, tp: int) -> str:
-    return f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
-
-
 def _zero3_shard(folder: Path, tp: int, dp: int, tied: bool) -> dict:
     """TP rank `tp`'s {model name: _Zero3Parameter} of a ZeRO-3 checkpoint (PP = 1). DeepSpeed's
     model files hold empty placeholders there ("module": every tensor of shape (0,)) and the
     parameter order (param_shapes); the weights are the fp32 partitions of the optimizer files."""
-    from .integrity import verify_file
-    from .reshard import _deepspeed_safe_globals
     shapes = [(name, shape) for group in load_file(folder / zero3_model_file(0, tp))["param_shapes"]
               for name, shape in group.items()]
     flats = []
     for d in range(dp):
-        path = folder / zero3_optim_file(d, tp)
+        path = folder / zero_optim_file(d, tp)
         if not path.is_file():
             raise UserError(f"checkpoint file {path} is missing: the checkpoint is incomplete.")
         verify_file(folder, path.name)
-        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-            groups = torch.load(path, map_location="cpu", weights_only=True, mmap=True)[
-                "optimizer_state_dict"]["fp32_flat_groups"]
+        groups = safe_load(path)["optimizer_state_dict"]["fp32_flat_groups"]
         flats.append(groups[0] if len(groups) == 1 else _Concatenated(groups))
     shard, offset = {}, 0
     for name, shape in shapes:
@@ -155,7 +159,7 @@ def _zero3_shard(folder: Path, tp: int, dp: int, tied: bool) -> dict:
     return shard
 
 
-def _saved_shards(folder: Path, cfg: ModelConfig, saved: dict) -> list[dict]:
+def saved_shards(folder: Path, cfg: ModelConfig, saved: dict) -> list[dict]:
     """Per saved TP rank, {model name: tensor}, memory-mapped (nothing read yet)."""
     shards = []
     for tp in range(saved["tensor"]):
@@ -198,7 +202,7 @@ class ModelState:
 
     def __init__(self, folder, cfg: ModelConfig, saved: dict):
         self.folder, self.cfg = Path(folder), cfg
-        self.shards = _saved_shards(self.folder, cfg, saved)
+        self.shards = saved_shards(self.folder, cfg, saved)
         self.names = list(self.shards[0])
         for i, shard in enumerate(self.shards[1:], start=1):
             if set(shard) != set(self.names):
@@ -269,7 +273,7 @@ def iter_local_state(folder: Path, cfg: ModelConfig, saved: dict, tp: int, rank:
     """(name, TP rank `rank`'s piece at TP=`tp`) for the model names `names`, one at a time (each
     a tensor of its own), from a checkpoint saved at layout `saved`: the weights a rank of
     another layout loads. Every name is checked to be present before the first is read."""
-    shards = _saved_shards(Path(folder), cfg, saved)
+    shards = saved_shards(Path(folder), cfg, saved)
     names = list(names)
     for name in names:
         if any(name not in shard for shard in shards):

@@ -27,16 +27,26 @@ needs our partition table injected, folder renames between PP=1 and PP>1, and fa
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from ..errors import BadOptionError, OutputExistsError, refuse_output_inside
 from ..parallel import state
+from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.pipeline import to_model_names
 from ..parallel.tensor_parallel import merge_state_dicts
-from .integrity import CheckpointError
-from .read import local_slice
+from .deepspeed_files import load_deepspeed_file, zero_optim_file
+from .files import commit, finish_staging, module_file, read_client_state, staging_folder
+from .integrity import CheckpointError, checkpoint_files, manifest_entries, verify_checkpoint, write_manifest
+from .read import checkpoint_folder, local_slice, merged_tensor, saved_shards
 
 FOLDER = "optim"
 META = "meta.json"
@@ -93,8 +103,10 @@ def _adam_steps(trainer) -> set[float]:
 
 def save(trainer, folder: Path) -> None:
     """Write `folder`/optim/ (a collective: every rank calls it)."""
+    # deepspeed where it is used, as everywhere in the package: its import takes seconds, which
+    # convert-checkpoint's refusals (all made before a DeepSpeed file is read) and the modules that
+    # import this one for its names should not wait for; a run that saves has imported it already
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    from safetensors.torch import save_file
     out = Path(folder) / FOLDER
     tp_group = trainer.tp_group
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
@@ -136,8 +148,7 @@ def save(trainer, folder: Path) -> None:
 def load(trainer, folder: Path) -> None:
     """Set this rank's weights and optimizer state from `folder`/optim/ (no collective needed:
     each rank reads only what it holds)."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    from safetensors import safe_open
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # as in save
     source = Path(folder) / FOLDER
     meta = json.loads((source / META).read_text())
     step = torch.tensor(float(meta["adam_step"]))
@@ -158,7 +169,8 @@ def load(trainer, folder: Path) -> None:
             values = {}
             for key in ("fp32", *ADAM_KEYS):   # one stored TP=1 tensor, read lazily: only this rank's rows
                 stored = handle.get_slice(key)
-                values[key] = local_slice(name, cfg, tp, tp_rank, [(tuple(stored.get_shape()), stored.__getitem__)]).to(p.device)
+                part = (tuple(stored.get_shape()), stored.__getitem__)
+                values[key] = local_slice(name, cfg, tp, tp_rank, [part]).to(p.device)
         if values["fp32"].shape != p.shape:
             raise CheckpointError(f"{path}: shape {tuple(values['fp32'].shape)} for this rank's "
                                   f"{tuple(p.shape)}: the checkpoint is of another model.")
@@ -173,23 +185,6 @@ def load(trainer, folder: Path) -> None:
 
 
 # ------------------------------------------------------------ offline: from DeepSpeed's files
-
-# the only non-tensor objects in DeepSpeed's ZeRO optimizer files (0.19): allowed explicitly so
-# that they load with weights_only=True
-def _deepspeed_safe_globals() -> list:
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
-def _load_deepspeed_file(path: Path) -> dict:
-    """One of DeepSpeed's files, memory-mapped (nothing is read until a tensor is touched)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or its layout record is wrong.")
-    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
 
 def _fragments(fragments: list, shape) -> dict:
     """{fp32, exp_avg, exp_avg_sq} of one parameter from its DP fragments [(flat tensors of a
@@ -207,18 +202,16 @@ def _zero12_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set) -
     `stage` from DeepSpeed's ZeRO-1/2 optimizer files: each DP rank's flat partitions cut back
     into parameters with DeepSpeed's own slice mappings, the DP fragments concatenated. The
     files are memory-mapped: a parameter is read only when its function is called."""
-    from collections import defaultdict
-    from functools import partial
     tp, pp, dp = layout["tensor"], layout["pipe"], layout["data"]
     shards = defaultdict(lambda: [None] * tp)
     for t in range(tp):
         mp = stage * tp + t
         shapes = {}
-        for group in _load_deepspeed_file(checkpoint / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]:
+        for group in load_deepspeed_file(checkpoint / module_file(mp))["param_shapes"]:
             shapes.update(group)
         pieces = defaultdict(list)   # engine name -> [(flat tensors of a DP rank's group, fragment)]
         for d in range(dp):
-            saved = _load_deepspeed_file(checkpoint / f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt")
+            saved = load_deepspeed_file(checkpoint / zero_optim_file(d, mp))
             saved = saved["optimizer_state_dict"]
             for g, mapping in enumerate(saved["param_slice_mappings"]):
                 adam = saved["base_optimizer_state"]["state"][g]
@@ -237,12 +230,11 @@ def _zero0_stage(checkpoint: Path, layout: dict, cfg, stage: int, steps: set, we
     module's names, given to the optimizer at ZeRO-0 for this), and the weights themselves
     (fp32 at ZeRO-0: there is no separate master copy). `weights`: per TP rank {model name:
     tensor}, memory-mapped."""
-    from collections import defaultdict
     tp, pp = layout["tensor"], layout["pipe"]
     shards = defaultdict(lambda: [None] * tp)
     for t in range(tp):
-        path = checkpoint / f"mp_rank_{stage * tp + t:02d}_model_states.pt"
-        optimizer = _load_deepspeed_file(path).get("optimizer")
+        path = checkpoint / module_file(stage * tp + t)
+        optimizer = load_deepspeed_file(path).get("optimizer")
         groups = (optimizer or {}).get("param_groups", [])
         if not groups or any("param_names" not in g for g in groups):
             raise CheckpointError(f"{path}: its ZeRO-0 optimizer state does not name its parameters "
@@ -268,13 +260,10 @@ def extract_from_deepspeed(checkpoint: Path, client, out: Path) -> int:
     straight from the mapping where nothing needs merging): the conversion holds at most one
     merged parameter's three tensors in memory (benchmarks/checkpoint_memory.py). Returns the
     number of parameter files written."""
-    from safetensors.torch import save_file
-
-    from .read import _saved_shards, merged_tensor
     layout = client.layout
     cfg = client.model_config()
     out.mkdir(parents=True, exist_ok=True)
-    weights = _saved_shards(checkpoint, cfg, layout) if layout["zero_stage"] == 0 else None
+    weights = saved_shards(checkpoint, cfg, layout) if layout["zero_stage"] == 0 else None
     steps, written = set(), 0
     for stage in range(layout["pipe"]):
         if weights is None:
@@ -300,8 +289,6 @@ def extract_from_deepspeed(checkpoint: Path, client, out: Path) -> int:
 
 
 def check_target_layout(cfg, tensor_parallel: int | None, pipeline_parallel: int | None, folder: Path) -> None:
-    from ..errors import BadOptionError
-    from ..parallel.layout import LayoutError, check_model_split
     for option, value in (("--tensor-parallel", tensor_parallel), ("--pipeline-parallel", pipeline_parallel)):
         if value is not None and value < 1:
             raise BadOptionError(f"{option} {value} is invalid: it must be at least 1.")
@@ -321,13 +308,6 @@ def convert(source: Path, output: Path, tensor_parallel: int | None = None,
     copied. `tensor_parallel` / `pipeline_parallel`: the layout the user means to load at (the
     result loads at any): checked against the model first, so that a size that cannot split it
     fails now and not when the job starts. Returns the new iter_ folder."""
-    import os
-    import shutil
-
-    from ..errors import OutputExistsError, refuse_output_inside
-    from .files import commit, finish_staging, read_client_state, staging_folder
-    from .integrity import checkpoint_files, manifest_entries, verify_checkpoint, write_manifest
-    from .read import checkpoint_folder
     source, output = Path(source), Path(output).resolve()
     folder = checkpoint_folder(source)
     sources = {source.resolve(), folder.resolve()}
@@ -349,7 +329,8 @@ def convert(source: Path, output: Path, tensor_parallel: int | None = None,
     check_target_layout(client.model_config(), tensor_parallel, pipeline_parallel, folder)
     if client.weights_only:
         raise CheckpointError(f"{folder} holds weights only (written by import-hf, with train.save_optimizer=false "
-                              f"or at step 0): there is no optimizer state to convert; it loads at any layout as it is.")
+                              f"or at step 0): there is no optimizer state to convert; it loads at any layout as "
+                              f"it is.")
     if client.layout is None:
         raise CheckpointError(f"{folder} has no layout record (written before records existed): resume it "
                               f"once at its saving layout with train.reshardable_optimizer=true and save, "

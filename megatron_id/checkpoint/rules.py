@@ -8,8 +8,16 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError
-from .files import (CLIENT_STATE, LOCK_FILE, SAVE_FOLDER_ENTRIES, describe, is_checkpoint_root, latest_folder,
-                    read_client_state)
+from .files import (
+    CLIENT_STATE,
+    LOCK_FILE,
+    SAVE_FOLDER_ENTRIES,
+    describe,
+    is_checkpoint_root,
+    latest_folder,
+    read_client_state,
+)
+
 
 def check_save_and_load(save: str | None, load: str | None) -> tuple[Path | None, str | None]:
     """Decide where a run resumes from, before any work, by Megatron's habits made safe:
@@ -52,7 +60,8 @@ def check_save_and_load(save: str | None, load: str | None) -> tuple[Path | None
             if foreign:
                 raise ConfigError(f"train.save={save} holds files that are not checkpoints ({', '.join(foreign[:5])}"
                                   f"{', ...' if len(foreign) > 5 else ''}): a run writes checkpoints only into "
-                                  f"an empty folder or its own. Choose another folder (e.g. {save_path / 'checkpoints'}).")
+                                  f"an empty folder or its own. Choose another folder (e.g. "
+                                  f"{save_path / 'checkpoints'}).")
             if not is_checkpoint_root(save_path) and any(save_path.glob("iter_*")):
                 raise ConfigError(f"train.save={save} holds iter_ folders but no `latest`: they are not "
                                   f"a history this run can continue, and pruning could delete them. Move "

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import write_atomic, write_atomic_text
 from .sample_index import say
 
 HEARTBEAT_S = 2.0        # how often rank 0 rewrites its status while building
@@ -54,9 +55,14 @@ def _distributed():
 
 
 def _write_json(path: Path, content: dict) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(content, indent=1, sort_keys=True))
-    os.replace(temporary, path)
+    write_atomic_text(path, json.dumps(content, indent=1, sort_keys=True))
+
+
+def _write_array(path: Path, array: np.ndarray) -> None:
+    def save(temporary: Path) -> None:
+        with open(temporary, "wb") as f:   # a file object: given a name, np.save would append .npy to it
+            np.save(f, array)
+    write_atomic(path, save)
 
 
 class BuildSession:
@@ -112,11 +118,7 @@ class BuildSession:
             arrays = build(progress)
             progress("writing the arrays")
             for name, array in arrays.items():
-                path = self.cache_dir / f"{key}_{name}.npy"
-                temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-                with open(temporary, "wb") as f:
-                    np.save(f, array)
-                os.replace(temporary, path)
+                _write_array(self.cache_dir / f"{key}_{name}.npy", array)
             # written last: its presence means the arrays are complete
             _write_json(self.cache_dir / f"{key}_description.json", {**description, "arrays": sorted(arrays)})
         except BaseException as err:

@@ -58,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import write_atomic_text
 from ..errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -520,9 +521,7 @@ def remember_scan(ds: IndexedDataset, cache_dir, found: dict) -> Path | None:
               "bin": _file_identity(ds.bin_path), "idx": _file_identity(ds.idx_path)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = temp_path(path)
-        temporary.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(temporary, path)
+        write_atomic_text(path, json.dumps(record, indent=1) + "\n", temp=temp_path(path))
         return path
     except OSError as err:
         print(f"note: could not remember the token-id scan of {ds.prefix} in {path.parent} ({err.strerror or err}): "

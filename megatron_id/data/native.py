@@ -22,6 +22,8 @@ import subprocess
 import warnings
 from pathlib import Path
 
+from ..atomic import write_atomic
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "blend_index.c"
 # -ffp-contract=off: the blend's arithmetic must round as Python's does (no fused multiply-add)
 FLAGS = ["-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off"]
@@ -49,15 +51,14 @@ def _build(target: Path) -> None:
     if compiler is None:
         raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
+
+    def compile_into(temporary: Path) -> None:
         done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(temporary)], capture_output=True,
                               text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-500:]}")
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    # 0o777: the permissions the compiler gives the library it links
+    write_atomic(target, compile_into, mode=0o777)
 
 
 @functools.lru_cache(maxsize=None)

@@ -140,5 +140,6 @@ def mqar_correct(model, probe: Probe, device, chunk: int = 2048) -> tuple[list[b
     for p, value in zip(probe.positions, probe.answers):
         rows = logp[p - 1:p - 1 + len(value)]
         hits.append(bool((rows.argmax(-1) == torch.tensor(value, device=rows.device)).all()))
-        losses.append(float(-rows[torch.arange(len(value), device=rows.device), torch.tensor(value, device=rows.device)].mean()))
+        picked = rows[torch.arange(len(value), device=rows.device), torch.tensor(value, device=rows.device)]
+        losses.append(float(-picked.mean()))
     return hits, losses

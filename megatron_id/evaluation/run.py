@@ -1,9 +1,5 @@
-"""`megatron-id eval`: perplexity, length extrapolation and recall, for one or more checkpoints.
-
-    megatron-id eval perplexity --checkpoint runs/a/checkpoints [runs/b/hf ...] \\
-        [--data PREFIX [--split 969,30,1 --split-name valid --seed S --samples N] | --text FILE ...]
-    megatron-id eval length --checkpoint A B --text val.jsonl.zst --factors 0.5 1 2 3.5 4 --out eval/length
-    megatron-id eval recall --checkpoint A B --task passkey mqar --seed 1234 --out eval/recall
+"""The evaluations of `megatron-id eval` (its flags: commands/eval.py; its tables and files:
+report.py): perplexity, length extrapolation and recall, for one or more checkpoints.
 
 Every checkpoint is a training checkpoint (any TP/PP/ZeRO layout: its weights are read at TP=1)
 or an exported Hugging Face folder. Each evaluation prints a markdown table; `--json` prints the
@@ -25,24 +21,31 @@ scored tokens stand for (the EOD stands for none).
 """
 from __future__ import annotations
 
-import csv
+import dataclasses
 import gzip
 import io
 import json
 import math
-import os
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from ..checkpoint.read import checkpoint_folder, read_checkpoint
+from ..data.gpt_dataset import build_gpt_datasets, default_cache_dir, parse_data_path, split_ranges
+from ..data.indexed_dataset import IndexedDataset
+from ..data.mqar import MQARTask, score
+from ..data.tokenizer import MISMATCH_FLAG, check_same_tokenizer, dataset_tokenizer, token_bytes
+from ..errors import BadOptionError, UserError, check_writable
+from ..hf.export import read_export_config
+from ..inference.generate import load_trained, resolve_device
+from ..model.accounting import report
+from ..model.language_model import LanguageModel
+from .lm_eval_tasks import write_tasks
 from .recall import mqar, mqar_correct, passkey, passkey_correct
+from .report import RESULT_FILES
 from .scoring import score_windows, windows
-
-RESULT_FILES = ("results.json", "results.md", "results.csv", "results.png")
 
 
 class EvalError(UserError, ValueError):
@@ -111,8 +114,6 @@ def token_stream(trained, docs: list[str]) -> np.ndarray:
 def _check_data_tokenizer(trained, data_path, allow: bool) -> None:
     """Every prefix scored was made with the tokenizer the model is evaluated with (its ids are
     decoded by it for bits per byte, and embedded by the model as its own)."""
-    from ..data.gpt_dataset import parse_data_path
-    from ..data.tokenizer import MISMATCH_FLAG, check_same_tokenizer, dataset_tokenizer
     for _, prefix in parse_data_path(data_path):
         identity, path = dataset_tokenizer(prefix)
         check_same_tokenizer((f"--data {prefix}", identity, path),
@@ -123,8 +124,6 @@ def _check_data_tokenizer(trained, data_path, allow: bool) -> None:
 
 def gpt_rows(trained, args) -> tuple[np.ndarray, dict]:
     """The trainer's samples of the validation (or another) split, as [count, seq_length + 1]."""
-    from ..data.gpt_dataset import build_gpt_datasets, default_cache_dir, parse_data_path
-    from ..data.indexed_dataset import IndexedDataset
     record = (trained.client.data if trained.client is not None else None) or {}
     data_path = args.data or record.get("data_path")
     if not data_path:
@@ -141,7 +140,6 @@ def gpt_rows(trained, args) -> tuple[np.ndarray, dict]:
         evals = record["train_iters"] // max(record["eval_interval"], 1) + 1
         samples = evals * record["eval_iters"] * record["global_batch_size"]
     if samples is None:   # one pass over the split
-        from ..data.gpt_dataset import split_ranges
         tokens = 0
         for _, prefix in parse_data_path(data_path):
             ds = IndexedDataset(prefix)
@@ -247,11 +245,6 @@ def run_mqar(source, args) -> dict:
     """Accuracy and the answers' loss on sequences of the MQAR task's test split (never seen in
     training: the trainer reads the train and valid splits), with the checkpoint's task settings
     unless options change them; and the model's decode state for the task's length."""
-    import dataclasses
-    from ..checkpoint.read import read_checkpoint
-    from ..data.mqar import MQARTask, score
-    from ..model.accounting import report
-    from ..model.language_model import LanguageModel
     folder, client, cfg, weights = read_checkpoint(source)
     data = client.data or {}
     if data.get("source") != "mqar":
@@ -269,151 +262,13 @@ def run_mqar(source, args) -> dict:
     result = score(model, task, seed, args.samples, args.batch_size, args.device)
     counts = report(cfg)
     state = counts.decode_state(task.seq_length)
-    return {**result, "seed": seed, "task": dataclasses.asdict(task), "mixer": str(getattr(cfg.mixer, "value", cfg.mixer)),
+    return {**result, "seed": seed, "task": dataclasses.asdict(task),
+            "mixer": str(getattr(cfg.mixer, "value", cfg.mixer)),
             "layer_pattern": counts.layer_pattern, "state_numbers": state, "state_bytes_fp32": 4 * state,
             "parameters": counts.parameters}
 
 
-# ---------------------------------------------------------------- reports
-
-def _md_table(header, rows) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _f(x, digits=3):
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def markdown(evaluation: str, results: list[dict]) -> str:
-    if evaluation == "perplexity":
-        rows = [(r["name"], r["tokens"], _f(r["loss"], 4), _f(r["perplexity"], 2), _f(r["bits_per_byte"], 4))
-                for r in results]
-        return _md_table(["model", "tokens", "loss", "perplexity", "bits/byte"], rows)
-    if evaluation == "length":
-        factors = [c["factor"] for c in results[0]["contexts"]]
-        head = ["model", "train length"] + [f"{f}x" for f in factors]
-        rows = [(r["name"], r["train_length"], *[_f(c["perplexity"], 2) for c in r["contexts"]]) for r in results]
-        text = "perplexity by context (x the training length)\n\n" + _md_table(head, rows)
-        rel = [(r["name"], r["train_length"], *[_f(c["vs_1x"], 3) for c in r["contexts"]]) for r in results]
-        return text + "\n\nrelative to 1x\n\n" + _md_table(head, rel)
-    if evaluation == "mqar":
-        rows = [(r["name"], r["mixer"], r["layer_pattern"], f"{r['state_bytes_fp32']:,}", r["task"]["num_pairs"],
-                 r["answers"], _f(r["accuracy"], 3), _f(r["chance"], 3), _f(r["answer_loss"], 3)) for r in results]
-        return "MQAR accuracy (the task's test split; state: the decode state at the task's length, fp32)\n\n" + \
-            _md_table(["model", "mixer", "layers", "state bytes", "pairs", "answers", "accuracy", "chance",
-                       "answer loss"], rows)
-    parts = []
-    if "passkey" in results[0]:
-        cells = results[0]["passkey"]
-        keys = sorted({(c["factor"], c["length"]) for c in cells})
-        head = ["model", "depth"] + [f"{f}x ({n})" for f, n in keys]
-        rows = []
-        for r in results:
-            for depth in sorted({c["depth"] for c in r["passkey"]}):
-                got = {(c["factor"], c["length"]): c["accuracy"] for c in r["passkey"] if c["depth"] == depth}
-                rows.append((r["name"], depth, *[_f(got[k], 2) for k in keys]))
-        parts.append("passkey accuracy (prompt length in tokens)\n\n" + _md_table(head, rows))
-        loss_rows = [(r["name"], *[_f(sum(c["answer_loss"] for c in r["passkey"] if (c["factor"], c["length"]) == k) /
-                                      sum(1 for c in r["passkey"] if (c["factor"], c["length"]) == k), 3) for k in keys])
-                     for r in results]
-        parts.append("passkey: the key's loss under teacher forcing (nats per token, mean over depths; lower is "
-                     "better)\n\n" + _md_table(["model"] + head[2:], loss_rows))
-    if "mqar" in results[0]:
-        pairs = [c["pairs"] for c in results[0]["mqar"]]
-        rows = [(r["name"], *[_f(c["accuracy"], 3) for c in r["mqar"]]) for r in results]
-        parts.append("multi-query associative recall: accuracy per query\n\n" +
-                     _md_table(["model"] + [f"{p} pairs" for p in pairs], rows))
-        rows = [(r["name"], *[_f(c["answer_loss"], 3) for c in r["mqar"]]) for r in results]
-        parts.append("multi-query associative recall: the value's loss (nats per token; lower is better)\n\n" +
-                     _md_table(["model"] + [f"{p} pairs" for p in pairs], rows))
-    return "\n\n".join(parts)
-
-
-def write_csv(path: Path, evaluation: str, results: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        if evaluation == "perplexity":
-            w.writerow(["model", "tokens", "loss", "perplexity", "bits_per_byte"])
-            for r in results:
-                w.writerow([r["name"], r["tokens"], r["loss"], r["perplexity"], r["bits_per_byte"]])
-        elif evaluation == "length":
-            w.writerow(["model", "kind", "factor_or_start", "context_or_end", "tokens", "loss", "perplexity"])
-            for r in results:
-                for c in r["contexts"]:
-                    w.writerow([r["name"], "context", c["factor"], c["context"], c["tokens"], c["loss"], c["perplexity"]])
-                for b in r["positions"]["buckets"]:
-                    w.writerow([r["name"], "position", b["start"], b["end"], "", b["loss"], b["perplexity"]])
-        elif evaluation == "mqar":
-            w.writerow(["model", "mixer", "layers", "state_bytes_fp32", "pairs", "answers", "accuracy", "chance",
-                        "answer_loss"])
-            for r in results:
-                w.writerow([r["name"], r["mixer"], r["layer_pattern"], r["state_bytes_fp32"], r["task"]["num_pairs"],
-                            r["answers"], r["accuracy"], r["chance"], r["answer_loss"]])
-        else:
-            w.writerow(["model", "task", "length", "depth_or_pairs", "accuracy", "answer_loss"])
-            for r in results:
-                for c in r.get("passkey", []):
-                    w.writerow([r["name"], "passkey", c["length"], c["depth"], c["accuracy"], c["answer_loss"]])
-                for c in r.get("mqar", []):
-                    w.writerow([r["name"], "mqar", c["length"], c["pairs"], c["accuracy"], c["answer_loss"]])
-
-
-def write_png(path: Path, evaluation: str, results: list[dict]) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    if evaluation == "mqar":   # Zoology's figure 2: accuracy against the state's size
-        fig, ax = plt.subplots(figsize=(6, 3.8))
-        for mixer in sorted({r["mixer"] for r in results}):
-            mine = sorted((r for r in results if r["mixer"] == mixer), key=lambda r: r["state_bytes_fp32"])
-            ax.plot([r["state_bytes_fp32"] for r in mine], [r["accuracy"] for r in mine], "o-", label=mixer)
-        ax.set(xlabel="decode state (bytes, fp32)", ylabel="accuracy", xscale="log", ylim=(-0.02, 1.02))
-        ax.legend(fontsize=8)
-    elif evaluation == "perplexity":
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar([r["name"] for r in results], [r["perplexity"] for r in results])
-        ax.set_ylabel("perplexity")
-    elif evaluation == "length":
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        for r in results:
-            a.plot([c["factor"] for c in r["contexts"]], [c["perplexity"] for c in r["contexts"]], "o-", label=r["name"])
-            buckets = r["positions"]["buckets"]
-            b.plot([(x["start"] + x["end"]) / 2 / r["train_length"] for x in buckets],
-                   [x["perplexity"] for x in buckets], ".-", label=r["name"])
-        a.set(xlabel="context (x training length)", ylabel="perplexity", yscale="log")
-        b.set(xlabel="position (x training length)", ylabel="perplexity at that position", yscale="log")
-        for ax in (a, b):
-            ax.axvline(1.0, color="grey", lw=0.5)
-            ax.legend(fontsize=8)
-    else:
-        with_passkey = [r for r in results if "passkey" in r]
-        panels = len(with_passkey) + (1 if any("mqar" in r for r in results) else 0)
-        fig, axes = plt.subplots(1, panels, figsize=(3.6 * panels, 3.4), squeeze=False)
-        for ax, r in zip(axes[0], with_passkey):
-            lengths = sorted({c["length"] for c in r["passkey"]})
-            depths = sorted({c["depth"] for c in r["passkey"]})
-            grid = np.array([[next(c["accuracy"] for c in r["passkey"] if c["length"] == n and c["depth"] == d)
-                              for n in lengths] for d in depths])
-            ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
-            ax.set(xticks=range(len(lengths)), xticklabels=lengths, yticks=range(len(depths)), yticklabels=depths,
-                   xlabel="prompt tokens", ylabel="needle depth", title=f"passkey: {r['name']}")
-        if panels > len(with_passkey):
-            ax = axes[0][-1]
-            for r in results:
-                if "mqar" in r:
-                    ax.plot([c["pairs"] for c in r["mqar"]], [c["accuracy"] for c in r["mqar"]], "o-", label=r["name"])
-            ax.set(xlabel="key-value pairs", ylabel="accuracy", ylim=(-0.02, 1.02), title="MQAR", xscale="log")
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
-    return True
-
+# ---------------------------------------------------------------- the command's checks and steps
 
 def prepare_out(folder: Path, overwrite: bool) -> None:
     """--out: a new or empty folder, or (with --overwrite) one holding only an earlier eval's files."""
@@ -430,103 +285,7 @@ def prepare_out(folder: Path, overwrite: bool) -> None:
             raise EvalError(f"--out {folder} holds files that are not an earlier eval's results "
                             f"({', '.join(sorted(foreign or present)[:4])}): --overwrite replaces only those; "
                             f"give another folder.")
-    from ..errors import check_writable   # before any checkpoint is scored, not after
-    check_writable(folder, "--out")
-
-
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# ---------------------------------------------------------------- command line
-
-def add_parser(sub) -> None:
-    e = sub.add_parser("eval", help="perplexity, length extrapolation and recall of checkpoints or exports",
-                       description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    kinds = e.add_subparsers(dest="evaluation", required=True)
-
-    def common(p):
-        p.add_argument("--checkpoint", nargs="+", required=True,
-                       help="training checkpoints (root or iter folder) or exported folders")
-        p.add_argument("--name", nargs="+", default=None, help="a name per checkpoint for the tables (default: "
-                       "the folder names)")
-        p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint records)")
-        p.add_argument("--allow-tokenizer-mismatch", action="store_true",
-                       help="use a tokenizer (or data) other than the one the model was trained with, on purpose")
-        p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
-        p.add_argument("--chunk-size", type=int, default=2048, help="tokens per forward call; the state is carried "
-                       "between chunks, so memory is bounded by it for the recurrent mixers (default 2048)")
-        p.add_argument("--batch-size", type=int, default=8, help="windows scored together (default 8)")
-        p.add_argument("--json", action="store_true", help="print the JSON summary instead of the table")
-        p.add_argument("--out", type=Path, default=None, help="also write results.json/.md/.csv/.png here")
-        p.add_argument("--overwrite", action="store_true", help="replace an earlier eval's results in --out")
-
-    p = kinds.add_parser("perplexity", help="perplexity and bits per byte", allow_abbrev=False)
-    common(p)
-    src = p.add_argument_group("what to score (default: the checkpoint's own validation split)")
-    src.add_argument("--data", nargs="+", default=None, help="indexed dataset prefix (or Megatron blend)")
-    src.add_argument("--text", nargs="+", default=None, help=".txt or .jsonl(.gz/.zst) files instead")
-    src.add_argument("--split", default=None, help="train,valid,test weights (default: the checkpoint's)")
-    src.add_argument("--split-name", choices=["train", "valid", "test"], default="valid")
-    src.add_argument("--seed", type=int, default=None, help="the dataset seed (default: the checkpoint's)")
-    src.add_argument("--seq-length", type=int, default=None, help="window (default: the model's seq_length)")
-    src.add_argument("--samples", type=int, default=None, help="samples the split's dataset is built with")
-    src.add_argument("--first-sample", type=int, default=0)
-    src.add_argument("--count", type=int, default=None, help="samples to score (default: all from --first-sample)")
-    src.add_argument("--max-tokens", type=int, default=None, help="--text: score at most this many tokens")
-    src.add_argument("--index-cache-dir", default=None)
-
-    p = kinds.add_parser("length", help="perplexity at multiples of the training context, and by position",
-                         allow_abbrev=False)
-    common(p)
-    p.add_argument("--text", nargs="+", required=True, help=".txt or .jsonl(.gz/.zst) files")
-    p.add_argument("--factors", nargs="+", type=float, default=[0.5, 1, 2, 3.5, 4],
-                   help="contexts as multiples of the training length (default 0.5 1 2 3.5 4)")
-    p.add_argument("--max-tokens", type=int, default=65536, help="tokens scored per context (default 65536)")
-    p.add_argument("--bucket", type=float, default=0.5, help="position buckets, x the training length (0.5)")
-
-    p = kinds.add_parser("recall", help="passkey retrieval and multi-query associative recall", allow_abbrev=False)
-    common(p)
-    p.add_argument("--task", nargs="+", choices=["passkey", "mqar"], default=["passkey", "mqar"])
-    p.add_argument("--factors", nargs="+", type=float, default=[0.5, 1, 2],
-                   help="passkey prompt lengths, x the training length (default 0.5 1 2)")
-    p.add_argument("--depths", nargs="+", type=float, default=[0, 0.25, 0.5, 0.75, 1])
-    p.add_argument("--pairs", nargs="+", type=int, default=[4, 8, 16, 32], help="MQAR key-value pairs")
-    p.add_argument("--samples", type=int, default=8, help="prompts per cell (default 8)")
-    p.add_argument("--seed", type=int, default=1234)
-
-
-    p = kinds.add_parser("mqar", allow_abbrev=False,
-                         help="accuracy on the generated MQAR task of models trained with data.source=mqar")
-    common(p)
-    p.add_argument("--samples", type=int, default=1000, help="sequences scored (default 1000)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="the task's seed (default: the checkpoint's; sequences come from its test split)")
-    for key in ("pairs", "queries", "keys", "values"):
-        p.add_argument(f"--num-{key}", type=int, default=None, help=f"data.mqar.num_{key} (default: the checkpoint's)")
-    p.add_argument("--seq-length", type=int, default=None, help="the sequence length (default: the model's)")
-
-    p = kinds.add_parser("lm-eval-tasks", allow_abbrev=False,
-                         help="write local lm-evaluation-harness tasks (last word, rolling perplexity) from text")
-    p.add_argument("--text", nargs="+", required=True, help=".txt or .jsonl(.gz/.zst) files")
-    p.add_argument("--out", type=Path, required=True, help="a new or empty folder (lm_eval --include_path)")
-    p.add_argument("--passages", type=int, default=200, help="last-word passages (default 200)")
-    p.add_argument("--documents", type=int, default=50, help="documents for rolling perplexity (default 50)")
-    p.add_argument("--seed", type=int, default=1234)
+    check_writable(folder, "--out")   # before any checkpoint is scored, not after
 
 
 TASK_FILES = ("lastword.jsonl", "rolling.jsonl", "megatron_id_lastword.yaml", "megatron_id_rolling.yaml",
@@ -534,7 +293,6 @@ TASK_FILES = ("lastword.jsonl", "rolling.jsonl", "megatron_id_lastword.yaml", "m
 
 
 def tasks_command(args) -> int:
-    from .lm_eval_tasks import write_tasks
     if args.passages < 1 or args.documents < 1:
         raise EvalError("--passages and --documents must be at least 1.")
     if args.out.exists() and (not args.out.is_dir() or set(p.name for p in args.out.iterdir()) - set(TASK_FILES)):
@@ -582,8 +340,6 @@ def check_args(args) -> None:
     for option, value, ok, valid in rules:
         if not ok:
             raise EvalError(f"{option} {value} is out of range: it must be {valid}.")
-    from ..errors import BadOptionError
-    from ..generation import resolve_device
     try:
         args.device = resolve_device(args.device)
     except BadOptionError as error:
@@ -592,8 +348,6 @@ def check_args(args) -> None:
 
 def check_sources(args) -> None:
     """Every --checkpoint is found (and, for mqar, is a training checkpoint) before any is scored."""
-    from ..checkpoint.read import checkpoint_folder
-    from ..hf.export import read_export_config
     for source in args.checkpoint:
         export = (Path(source) / "config.json").is_file()
         if export and args.evaluation == "mqar":   # an export records no data settings
@@ -606,15 +360,9 @@ def check_sources(args) -> None:
             checkpoint_folder(source, also_export=args.evaluation != "mqar")
 
 
-def command(args) -> int:
-    if args.evaluation == "lm-eval-tasks":
-        return tasks_command(args)
-    check_args(args)
-    check_sources(args)
-    if args.out is not None:
-        prepare_out(args.out, args.overwrite)
-    from ..data.tokenizer import token_bytes
-    from ..generation import load_trained
+def evaluate(args) -> list[dict]:
+    """Every --checkpoint scored by `args.evaluation` (checked by check_args and check_sources
+    first): a result per checkpoint, with its name, in the order given."""
     names = args.name or [Path(c).name if Path(c).name not in ("checkpoints", "hf") else
                           f"{Path(c).parent.name}/{Path(c).name}" for c in args.checkpoint]
     results = []
@@ -635,26 +383,10 @@ def command(args) -> int:
         mixer = getattr(trained.cfg.mixer, "value", trained.cfg.mixer)
         results.append({"name": name, "checkpoint": str(source), "mixer": str(mixer), **result})
         print(f"eval {args.evaluation}: {name} done", file=sys.stderr)
-    summary = {"evaluation": args.evaluation, "options": _options(args), "results": results}
-    text = markdown(args.evaluation, results)
-    print(json.dumps(summary, indent=1) if args.json else text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        _atomic(args.out / "results.json", lambda p: p.write_text(json.dumps(summary, indent=1) + "\n"))
-        _atomic(args.out / "results.md", lambda p: p.write_text(text + "\n"))
-        _atomic(args.out / "results.csv", lambda p: write_csv(p, args.evaluation, results))
-        drawn = [False]
-
-        def png(p):
-            drawn[0] = write_png(p, args.evaluation, results)
-        _atomic(args.out / "results.png", png)
-        if not drawn[0]:
-            (args.out / "results.png").unlink(missing_ok=True)
-            print("eval: note: results.png not drawn: matplotlib is not installed (pip install matplotlib).",
-                  file=sys.stderr)
-    return 0
+    return results
 
 
-def _options(args) -> dict:
+def options(args) -> dict:
+    """The JSON summary's record of the options (none that depend on the machine or the output)."""
     skip = {"json", "out", "overwrite", "device", "func", "command"}
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items()) if k not in skip}

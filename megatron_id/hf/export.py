@@ -29,17 +29,43 @@ from pathlib import Path
 import torch
 from omegaconf.errors import OmegaConfBaseException
 
-from ..config import ffn_hidden_size
-from ..errors import (BadOptionError, OutputExistsError, UserError, check_writable, disk_full_error, free_bytes,
-                      human_bytes, is_disk_full, refuse_output_inside)
-from ..checkpoint.files import (CLIENT_STATE, ClientState, model_config_dict, model_config_from_dict,
-                                read_client_state, save_safetensors, tag_for)
-from ..checkpoint.integrity import (CHUNK_BYTES, MANIFEST, checkpoint_files, manifest_entries, read_manifest,
-                                    verify_folder_files, warn_unverified, write_manifest)
+from ..checkpoint.files import (
+    CLIENT_STATE,
+    ClientState,
+    model_config_dict,
+    model_config_from_dict,
+    read_client_state,
+    save_safetensors,
+    tag_for,
+)
+from ..checkpoint.integrity import (
+    CHUNK_BYTES,
+    MANIFEST,
+    checkpoint_files,
+    manifest_entries,
+    read_manifest,
+    verify_folder_files,
+    warn_unverified,
+    write_manifest,
+)
 from ..checkpoint.read import ModelState, checkpoint_folder, write_weights_only
+from ..data.indexed_dataset import _pid_alive
+from ..data.tokenizer import check_tokenizer_for_model, eod_id, find_tokenizer, load_tokenizer
+from ..errors import (
+    BadOptionError,
+    OutputExistsError,
+    UserError,
+    check_writable,
+    disk_full_error,
+    free_bytes,
+    human_bytes,
+    is_disk_full,
+    refuse_output_inside,
+)
+from ..model.language_model import LanguageModel
+from ..model.spec import ffn_hidden_size
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
-from ..data.tokenizer import check_tokenizer_for_model, find_tokenizer, load_tokenizer
 from .bundle import bundle_source
 
 HERE = Path(__file__).resolve().parent
@@ -134,7 +160,6 @@ def read_hf_folder(folder, verify: str = "sample"):
 def _check_weights(weights: dict, cfg, path: Path, fix: str) -> None:
     """The tensors must be exactly those of the model config.json describes (names and shapes):
     a mismatch named here instead of a stack trace from load_state_dict or the re-sharding."""
-    from ..model import LanguageModel
     with torch.device("meta"):   # shapes only, no memory
         expected = {k: tuple(v.shape) for k, v in LanguageModel(cfg, seed=None).state_dict().items()}
     problems = [f"model.{k} is missing" for k in sorted(set(expected) - set(weights))]
@@ -148,7 +173,6 @@ def _check_weights(weights: dict, cfg, path: Path, fix: str) -> None:
 
 
 def _tokenizer_ids(tokenizer_file: Path) -> dict:
-    from ..data.tokenizer import eod_id, load_tokenizer
     tok = load_tokenizer(str(tokenizer_file))
     eos = eod_id(tok)
     return {"eos_token": tok.id_to_token(eos), "eos_token_id": eos}
@@ -245,7 +269,6 @@ def remove_stale_partials(output: Path) -> list[Path]:
     now) is left alone. A set-aside old output
     (`.NAME.old-PID-*`, left by a kill between the two renames of an --overwrite) is the user's
     data: it is named, never removed. Returns what was removed."""
-    from ..data.indexed_dataset import _pid_alive
     output = Path(output)
     if not output.parent.is_dir():
         return []
@@ -264,8 +287,8 @@ def remove_stale_partials(output: Path) -> list[Path]:
             continue
         size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(entry, ignore_errors=True)
-        print(f"note: removed {entry} ({human_bytes(size, exact=False)}), the staging folder of an interrupted write into "
-              f"{output} (process {pid} is gone)", file=sys.stderr)
+        print(f"note: removed {entry} ({human_bytes(size, exact=False)}), the staging folder of an interrupted write "
+              f"into {output} (process {pid} is gone)", file=sys.stderr)
         removed.append(entry)
     return removed
 

@@ -12,30 +12,26 @@ memory is bounded by the chunk, not the prompt.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megatron_id import MegatronIDConfig
-from .megatron_id_model import Group, InterdomainMixer, LanguageModel, names_in_group
+from .megatron_id_model import (
+    Group,
+    InterdomainMixer,
+    LanguageModel,
+    ModelConfig,
+    model_config_from_values,
+    names_in_group,
+)
 
 
-class _Choice(str):
-    """A string with `.value`, as the training config's enums (mixer, readout) have."""
-
-    @property
-    def value(self) -> str:
-        return str(self)
-
-
-def training_model_config(config: MegatronIDConfig) -> SimpleNamespace:
-    m = dict(config.model)
-    for key in ("mixer", "readout"):
-        m[key] = _Choice(m[key])
-    return SimpleNamespace(**m)
+def training_model_config(config: MegatronIDConfig) -> ModelConfig:
+    """The training ModelConfig (model/spec.py, bundled) that config.json's `model` section was
+    written from: the bundled code reads the same dataclass, enums included, as in training."""
+    return model_config_from_values(config.model)
 
 
 # transformers 5.24 renamed the output field past_key_values to cache; write whichever the

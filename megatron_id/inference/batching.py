@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import BadOptionError
-from ..generation import prefill, sample
 from .fused_decode import FusedDecoder
+from .generate import prefill, sample
 
 
 @dataclass

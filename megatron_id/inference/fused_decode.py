@@ -9,39 +9,29 @@ Per slot: its own position (RoPE), its own state in every layer, its own length 
 (softmax layers of hybrids), so a batch holds sequences of different prefix lengths without
 padding, and a slot can be refilled while the others go on (continuous batching).
 
-Interdomain / S4D-only layer: the complex state X [H, M, P] (P = R + Dv) is kept as real numbers,
-S [H, P, 2M] with Re and Im of each mode side by side (S[.., j, 2m] = Re X[m, j], S[.., j, 2m+1]
-= Im X[m, j]), so that the update is two passes over a complex view of the same memory and the
-readout three real matrix products over contiguous slices (measured on this CPU at 125M width:
-the stacked [Re X; Im X] layout needed five passes and twice the time):
-
-    update     X <- lambda X + Bbar z                    (z = [k, v], the token's key and value)
-    readout    u = q S_k                                  (2M: Re p, Im p of p = X^k q, interleaved)
-               w = u G2                                   (G2: the 2M x 2M real form of r = p' G,
-                                                           the conjugation and 1/sqrt(M) folded in)
-               o = w S_v^T                                (= Re(r^T X^v))
-    contraction readout (S4D-only): o = S e2, e2 = (Re e, -Im e) interleaved   (= Re(e^T X))
-
-The projections that read the same input are one matrix ([q | k | v | g], FFN's [w1 | w3]),
-the short convs of a layer one depthwise tap sum over a [B, C, K] window, and RoPE's angles are
-computed once per step for all layers.
+Each mixer brings its own step through its decode interface (model/mixers/decode.py: the facts,
+the parameter-only tables, the per-slot buffers, loading a prefill's state, the step; the
+interdomain state's real layout and readout are described there); this module composes them
+with what is the model's: the blocks' norms and SwiGLU (its [w1 | w3] as one matrix), the
+embedding and the head, RoPE's angles computed once per step for all layers, the slots'
+positions, the kernel choice and torch.compile. It reads no mixer attribute beyond that
+interface, and a model with a mixer that lacks it decodes through its own forward (eager).
 
 On a CPU (float32/float64) everything between a fixed-state layer's two matrix products runs as
 one C++ call (inference/cpu_kernel.py, csrc/fixed_state_step.cpp: the state read and written
-once); fixed_state_mixer below is its reference and the path elsewhere (GPU, bf16, compile).
+once); decode.fixed_state_mixer is its reference and the path elsewhere (GPU, bf16, compile).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..model.layers import feature_map, rms_norm
-from ..model.mixers.interdomain import InterdomainMixer
-from ..model.mixers.softmax import SoftmaxAttention
-from ..ops.interdomain.ssm import contraction_vector, discretize, readout_gram, readout_scale
+from ..model.accounting import report
+from ..model.layers import rms_norm
+from ..model.mixers.decode import fixed_state_mixer, fixed_state_mixer_kernel  # noqa: F401 (benchmarks time them)
+from ..training.agreement import available_host_memory
+from . import cpu_kernel  # (looked up at each use: tests replace its kernel)
 
 
 class FusedDecodeError(UserError, ValueError):
@@ -55,12 +45,11 @@ def kv_cache_bytes(model, slots: int, capacity: int) -> tuple[int, int]:
     total, layers = 0, 0
     for block in model.layers:
         mixer = block.mixer
-        if not isinstance(mixer, SoftmaxAttention):
+        if not _has_decode(mixer) or mixer.decode_facts().fixed_size:
             continue
-        weight = mixer.o_proj.weight
-        heads = weight.shape[1] // mixer.head_dim
-        length = mixer.window if mixer.window is not None else capacity
-        total += 2 * slots * heads * length * mixer.head_dim * weight.element_size()
+        # their sizes only, allocated on the meta device
+        buffers = mixer.allocate_decode_state(slots, capacity, device="meta")
+        total += sum(b.numel() * b.element_size() for b in buffers.values())
         layers += 1
     return total, layers
 
@@ -72,7 +61,6 @@ def available_memory(device) -> tuple[int | None, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"free on {device}"
-    from ..training.agreement import available_host_memory
     return available_host_memory(), "of host memory available"
 
 
@@ -83,9 +71,8 @@ KV_MEMORY_SHARE = 0.8
 def slot_bytes(model) -> int:
     """Bytes per slot that do not depend on the context: the recurrent state of every
     interdomain / S4D-only layer (float32 real numbers) and a row of float32 logits."""
-    from ..model.accounting import report
     counts = report(model.cfg)
-    fixed_layers = sum(not isinstance(block.mixer, SoftmaxAttention) for block in model.layers)
+    fixed_layers = sum(_has_decode(block.mixer) and block.mixer.decode_facts().fixed_size for block in model.layers)
     return 4 * (fixed_layers * (counts.state_per_token_per_layer or 0) + model.lm_head.weight.shape[0])
 
 
@@ -121,254 +108,82 @@ def check_kv_pool(model, slots: int, capacity: int, device, options: str, fix: s
                            f"{where}. {fix}{hint}.")
 
 
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The recurrent state's real dtype: float64 for float64 models (the tests), float32 otherwise
-    (as the model's complex64 state for bf16/fp16/fp32)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _rope(x, cos, sin):
-    """x [B, H, D] rotated by per-row angles (cos, sin [B, 1, D/2]); the half-split layout of
-    model/layers.apply_rope, computed in float32 (or float64) as there."""
-    dtype = x.dtype
-    x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-
-
 def _swiglu_residual(h, norm, eps, w13, w2):
     """h + SwiGLU(RMSNorm(h)) with the SwiGLU's w1 and w3 as one matrix [w1 | w3]."""
     a, b = (rms_norm(h, norm, eps) @ w13.T).chunk(2, dim=-1)
     return h + (F.silu(a) * b) @ w2.T
 
 
-@dataclass(frozen=True)
-class _Static:
-    """A fixed-state layer's shape facts (hashable: torch.compile guards on them, and layers of
-    one model share them, so one compiled step serves all)."""
-    Dh: int
-    query: bool
-    dual: bool
-    rope: bool
-    gate: bool
-    conv_channels: int
-    rotated: int            # RoPE's prefix of the convolved stack (q and k / a), 0 without RoPE
-    mapped: int             # the feature map's prefix (q, and k when dual)
-    eps: tuple              # mixer norm, k and v norms, ffn norm
-    real_update: bool       # the update in real arithmetic (torch.compile cannot trace complex views)
+def fixed_state_block(h, rope, t: dict, s, eps: tuple, step, kernel=None):
+    """A block with a fixed-size state (mixer and SwiGLU, with their norms and residuals): h [B, d]
+    -> [B, d]; step: the mixer's decode_step, s its static facts; eps: the mixer norm's and the
+    FFN norm's; kernel: the C++ core (cpu_kernel.fixed_state_step_kernel()), None for the torch
+    ops. A plain function of tensors, so that one torch.compile serves every such layer."""
+    x = rms_norm(h, t["mixer_norm"], eps[0])
+    h = h + step(x, rope, t, s, kernel)
+    return _swiglu_residual(h, t["ffn_norm"], eps[1], t["w13"], t["w2"])
 
 
-def fixed_state_mixer(x, rope, t: dict, s: _Static):
-    """An interdomain or S4D-only mixer for one token of every slot: x [B, d] (normalised) -> its
-    output [B, d]; t: the layer's weights and buffers (the conv tail and the state are updated
-    in place). A plain function of tensors, so that one torch.compile serves every such layer."""
-    B, Dh, C = x.shape[0], s.Dh, s.conv_channels
-    y = x @ t["w_in"].T
-    tail = t["conv_tail"]
-    window = torch.cat([tail, y[:, :C, None]], dim=-1)                              # [B, C, K]
-    tail.copy_(window[..., 1:])
-    # the convolved projections as one stack [B, n, H, Dh]: [q,] k (dual input) or [q,] a, b (single);
-    # RoPE takes a prefix of it (q and k / a), the feature map another (q, and k when dual)
-    stack = ((window * t["conv_w"]).sum(-1) + t["conv_b"]).view(B, -1, *t["kv_bias"].shape[1:])
-    if s.rotated:
-        cos, sin = rope
-        turned = _rope(stack[:, :s.rotated], cos[:, None], sin[:, None])
-        stack = turned if s.rotated == stack.shape[1] else torch.cat([turned, stack[:, s.rotated:]], 1)
-    if s.mapped:
-        mapped = feature_map(stack[:, :s.mapped])
-        stack = mapped if s.mapped == stack.shape[1] else torch.cat([mapped, stack[:, s.mapped:]], 1)
-    first = int(s.query)   # the key's place in the stack
-    value = stack[:, first + 1] if not s.dual else y[:, C:C + t["kv_bias"][0].numel()].view(B, -1, Dh)
-    kv = torch.stack([stack[:, first], value], 1)                                   # [B, 2, H, Dh]
-    # both norms at once (model/layers.rms_norm's arithmetic, in float32 or float64)
-    work = kv.to(torch.promote_types(kv.dtype, torch.float32))
-    kv = (work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + s.eps[1]) * t["kv_norm"]).to(kv.dtype) + t["kv_bias"]
-    S = t["state"]
-    z = kv.transpose(1, 2).reshape(B, -1, 2 * Dh).to(S.dtype)[..., None]           # [B, H, P, 1]: [k, v]
-    if s.real_update:
-        re, im = S.view(*S.shape[:-1], -1, 2).unbind(-1)
-        lr, li, br, bi = t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"]
-        S.copy_(torch.stack([lr * re - li * im + br * z, li * re + lr * im + bi * z], -1).view(S.shape))
-    else:   # two passes over the complex view of the same memory
-        t["complex_state"].mul_(t["lam"]).addcmul_(z.to(t["lam"].dtype), t["bbar"])
-    if s.query:
-        q = stack[:, 0].to(S.dtype)
-        u = q[:, :, None] @ S[:, :, :Dh]                                            # [B, H, 1, 2M]
-        o = ((u @ t["g2"]) @ S[:, :, Dh:].transpose(-1, -2)).view(B, -1)            # [B, H Dv]
-    else:
-        o = (S @ t["e2"]).view(B, -1)                                               # [B, H P]
-    o = o.to(x.dtype)
-    if s.gate:
-        o = o * F.silu(y[:, -o.shape[-1]:])
-    return o @ t["o_proj"].T
+DECODE_INTERFACE = ("decode_facts", "decode_tables", "allocate_decode_state", "load_decode_state", "decode_step")
 
 
-def fixed_state_mixer_kernel(x, rope, t: dict, s: _Static, kernel):
-    """fixed_state_mixer with everything between its two matrix products (conv, RoPE, feature
-    maps, norms, the state update and the readout) as one C++ call (inference/cpu_kernel.py)."""
-    cos, sin = rope if s.rotated else (None, None)
-    o = kernel(x @ t["w_in"].T, t["conv_tail"], t["conv_w"], t["conv_b"], cos, sin, t["kv_norm"], t["kv_bias"],
-               t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"] if s.query else t["e2"], t["state"],
-               s.rotated, s.mapped, s.query, s.dual, s.gate, s.eps[1])
-    return o @ t["o_proj"].T
+def _has_decode(mixer) -> bool:
+    """Whether a mixer offers the decode interface (model/mixers/decode.py); it is optional."""
+    return all(hasattr(mixer, name) for name in DECODE_INTERFACE)
 
 
-def fixed_state_block(h, rope, t: dict, s: _Static, kernel=None):
-    """The whole block (mixer and SwiGLU, with their norms and residuals): h [B, d] -> [B, d];
-    kernel: the C++ core (cpu_kernel.fixed_state_step_kernel()), None for the torch ops."""
-    x = rms_norm(h, t["mixer_norm"], s.eps[0])
-    h = h + (fixed_state_mixer(x, rope, t, s) if kernel is None else fixed_state_mixer_kernel(x, rope, t, s, kernel))
-    return _swiglu_residual(h, t["ffn_norm"], s.eps[2], t["w13"], t["w2"])
+class _Layer:
+    """One block for `slots` rows: its mixer's decode tables and per-slot buffers (through the
+    mixer's decode interface only), and the block's norms and SwiGLU around them. `tensors` holds
+    all of them in one dict (the form the step takes); `buffers` the per-slot ones."""
 
-
-class _InterdomainLayer:
-    """One interdomain (or S4D-only) block's weights, tables and buffers for `slots` rows."""
-
-    def __init__(self, block, slots: int, real_update: bool):
+    def __init__(self, block, slots: int, capacity: int | None, real_update: bool):
         mixer = block.mixer
-        weight = mixer.o_proj.weight
-        self.dtype, device = weight.dtype, weight.device
-        sdt = _state_dtype(self.dtype)
-        H, M, Dh = mixer.log_dt.shape[0], mixer.state_size, mixer.head_dim
-        self.M, self.Dh, self.theta = M, Dh, mixer.rope_theta
-        self.rope = mixer.rope
-        # one input matrix: the convolved projections first (their channels are the conv window's)
-        self.convolved = (["q"] if mixer.query_readout else []) + (["k"] if mixer.dual_kv_input else ["a", "b"])
-        plain = (["v"] if mixer.dual_kv_input else []) + (["g"] if hasattr(mixer, "g_proj") else [])
-        names = self.convolved + plain
-        widths = [getattr(mixer, f"{n}_proj").weight.shape[0] for n in names]
-        convs = [getattr(mixer, f"{n}_conv") for n in self.convolved]
-        self.static = _Static(Dh, mixer.query_readout, mixer.dual_kv_input, mixer.rope, hasattr(mixer, "g_proj"),
-                              sum(widths[:len(convs)]),
-                              (int(mixer.query_readout) + 1) if mixer.rope else 0,
-                              int(mixer.query_readout) + int(mixer.dual_kv_input),
-                              (block.mixer_norm.eps, mixer.k_norm.eps, block.ffn_norm.eps), real_update)
-        if mixer.k_norm.eps != mixer.v_norm.eps:
-            raise FusedDecodeError(f"the key and value norms' eps differ ({mixer.k_norm.eps}, {mixer.v_norm.eps}): "
-                                   f"the fused step normalises both at once.")
-        t = {"mixer_norm": block.mixer_norm.weight, "ffn_norm": block.ffn_norm.weight,
-             "w_in": torch.cat([getattr(mixer, f"{n}_proj").weight for n in names]),
-             "conv_w": torch.cat([c.weight[:, 0] for c in convs]),                   # [C, K]
-             "conv_b": torch.cat([c.bias for c in convs]),
-             "kv_norm": torch.stack([mixer.k_norm.weight, mixer.v_norm.weight])[:, None],   # [2, 1, Dh]
-             "kv_bias": torch.stack([mixer.k_bias, mixer.v_bias]), "o_proj": mixer.o_proj.weight,   # [2, H, Dh]
-             "w13": torch.cat([block.ffn.w1.weight, block.ffn.w3.weight]), "w2": block.ffn.w2.weight}
-        t = {k: v.detach() for k, v in t.items()}
-        # the parameter-only tables, built in float64 (as ops/interdomain.recurrent.step_tables)
-        log_dt, a_log, a_im, c_re, c_im = (p.detach().double() for p in mixer.core_parameters())
-        log_lam, bbar = discretize(log_dt, a_log, a_im)
-        cdt = torch.complex128 if sdt == torch.float64 else torch.complex64
-        lam, bbar = torch.exp(log_lam)[:, None, :], bbar[:, None, :]                # [H, 1, M]
-        t.update(lam=lam.to(cdt), bbar=bbar.to(cdt), lam_re=lam.real.to(sdt), lam_im=lam.imag.to(sdt),
-                 bbar_re=bbar.real.to(sdt), bbar_im=bbar.imag.to(sdt))
-        # stacked index (Re block, then Im block) of each interleaved one: 2m -> m, 2m+1 -> M+m
-        order = torch.stack([torch.arange(M), M + torch.arange(M)], -1).flatten()
-        if mixer.query_readout:
-            G = readout_gram(c_re, c_im, mixer.readout) * readout_scale(M)
-            s = -1.0 if mixer.readout == "hermitian" else 1.0   # p' = conj(p) or p
-            # [Re r, -Im r] = [Re p, Im p] G2 in stacked order, then both sides interleaved
-            g2 = torch.cat([torch.cat([G.real, -G.imag], -1), torch.cat([-s * G.imag, -s * G.real], -1)], -2)
-            t["g2"] = g2[:, order][:, :, order].to(sdt)                                # [H, 2M, 2M]
-        else:
-            e = contraction_vector(c_re, c_im, mixer.c_vec.detach().double())
-            t["e2"] = torch.cat([e.real, -e.imag], -1)[:, order][:, :, None].to(sdt)   # [H, 2M, 1]
-        t = {k: v.to(device).contiguous() for k, v in t.items()}   # (.real is a strided view)
-        t["conv_tail"] = torch.zeros(slots, self.static.conv_channels, t["conv_w"].shape[-1] - 1, dtype=self.dtype,
-                                     device=device)
-        t["state"] = torch.zeros(slots, H, 2 * Dh, 2 * M, dtype=sdt, device=device)
-        t["complex_state"] = torch.view_as_complex(t["state"].view(slots, H, 2 * Dh, M, 2))   # the same memory
-        if real_update:
-            del t["complex_state"], t["lam"], t["bbar"]   # (a compiled step is traced without them)
-        self.tensors = t
+        self.facts = mixer.decode_facts()
+        self.step, self._load = mixer.decode_step, mixer.load_decode_state
+        try:   # (the mixers say what they cannot take as ValueError, without knowing this module)
+            tables, self.static = mixer.decode_tables(real_update=real_update)
+            self.buffers = mixer.allocate_decode_state(slots, capacity)
+        except ValueError as e:
+            raise FusedDecodeError(str(e)) from None
+        self.eps = (block.mixer_norm.eps, block.ffn_norm.eps)
+        around = {"mixer_norm": block.mixer_norm.weight, "ffn_norm": block.ffn_norm.weight,
+                  "w13": torch.cat([block.ffn.w1.weight, block.ffn.w3.weight]), "w2": block.ffn.w2.weight}
+        self.tensors = {**{k: v.detach() for k, v in around.items()}, **tables, **self.buffers}
 
     def load(self, slot: int, state: dict) -> None:
-        """A prefill's state of one sequence (the mixer's {'ssm', 'conv', 'pos'}, batch 1)."""
-        X = state["ssm"][0].transpose(-1, -2)   # [H, M, P] -> [H, P, M]
-        self.tensors["state"][slot] = torch.view_as_real(X).reshape(self.tensors["state"].shape[1:])
-        self.tensors["conv_tail"][slot] = torch.cat([state["conv"][f"{n}_conv"][0] for n in self.convolved])
+        """A prefill's state of one sequence (the mixer's own, batch 1)."""
+        try:
+            self._load(self.buffers, slot, state)
+        except ValueError as e:
+            raise FusedDecodeError(str(e)) from None
 
     def clear(self, slot: int) -> None:
-        self.tensors["state"][slot].zero_()
-        self.tensors["conv_tail"][slot].zero_()
+        # every buffer, KV caches too: a stale value past a slot's length is masked out, but a
+        # stale inf or NaN would still reach the output through its zero weight
+        for buffer in self.buffers.values():
+            buffer[slot].zero_()
 
     def move(self, source: int, target: int) -> None:
-        self.tensors["state"][target] = self.tensors["state"][source]
-        self.tensors["conv_tail"][target] = self.tensors["conv_tail"][source]
+        for buffer in self.buffers.values():
+            buffer[target] = buffer[source]
 
     def first(self, n: int) -> dict:
         """The tensors with the per-slot buffers cut to slots 0..n-1 (views: updates land in place)."""
-        if n == self.tensors["state"].shape[0]:
+        if n == next(iter(self.buffers.values())).shape[0]:
             return self.tensors
-        return {**self.tensors, **{k: self.tensors[k][:n] for k in ("state", "conv_tail", "complex_state")
-                                   if k in self.tensors}}
-
-
-class _SoftmaxLayer:
-    """One softmax (or sliding-window) attention block: a KV cache per slot of `capacity` tokens
-    (the window for W layers, written as a ring: attention does not care about the order of
-    its keys, and RoPE is applied before they are cached)."""
-
-    def __init__(self, block, slots: int, capacity: int | None):
-        mixer = block.mixer
-        weight = mixer.o_proj.weight
-        self.dtype, device = weight.dtype, weight.device
-        self.Dh, self.rope, self.theta, self.window = mixer.head_dim, mixer.rope, mixer.rope_theta, mixer.window
-        self.w_in = torch.cat([mixer.q_proj.weight, mixer.k_proj.weight, mixer.v_proj.weight]).detach()
-        self.o_proj = mixer.o_proj.weight.detach()
-        self.norms = (block.mixer_norm.weight.detach(), block.mixer_norm.eps, block.ffn_norm.weight.detach(),
-                      block.ffn_norm.eps)
-        self.w13 = torch.cat([block.ffn.w1.weight, block.ffn.w3.weight]).detach()
-        self.w2 = block.ffn.w2.weight.detach()
-        if self.window is not None:
-            capacity = self.window
-        if capacity is None:
-            raise FusedDecodeError("a softmax layer's KV cache needs a capacity: give the most tokens a "
-                                   "sequence reaches (prompt + new tokens).")
-        self.capacity = capacity
-        H = weight.shape[1] // self.Dh
-        self.k = torch.zeros(slots, H, capacity, self.Dh, dtype=self.dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-
-    def load(self, slot: int, state: dict) -> None:
-        k, v, pos = state["k"][0], state["v"][0], state["pos"]   # [L, H, Dh]: the last L of pos tokens
-        L = k.shape[0]
-        if L > self.capacity:
-            raise FusedDecodeError(f"a prefix of {pos} tokens does not fit a KV cache of {self.capacity}: "
-                                   f"give a larger capacity.")
-        where = torch.arange(pos - L, pos, device=k.device) % self.capacity
-        self.k[slot, :, where] = k.transpose(0, 1)
-        self.v[slot, :, where] = v.transpose(0, 1)
-
-    def clear(self, slot: int) -> None:
-        pass   # the lengths decide which keys are seen; stale ones are overwritten first
-
-    def move(self, source: int, target: int) -> None:
-        self.k[target] = self.k[source]
-        self.v[target] = self.v[source]
-
-    def __call__(self, h, rope, positions, lengths: list[int]):
-        """The whole block: h [B, d] -> [B, d]."""
-        mixer_norm, mixer_eps, ffn_norm, ffn_eps = self.norms
-        h = h + self.mixer(rms_norm(h, mixer_norm, mixer_eps), rope, positions, lengths)
-        return _swiglu_residual(h, ffn_norm, ffn_eps, self.w13, self.w2)
+        return {**self.tensors, **{k: v[:n] for k, v in self.buffers.items()}}
 
     def mixer(self, x, rope, positions, lengths: list[int]):
-        """x [B, d] (normalised) -> the attention's output [B, d]; positions [B] (this token's);
-        lengths: keys each row sees after this token (host ints: no device sync per step)."""
-        B = x.shape[0]
-        q, k, v = (x @ self.w_in.T).view(B, 3, -1, self.Dh).unbind(1)              # [B, H, Dh]
-        if self.rope:
-            q, k = _rope(q, *rope), _rope(k, *rope)
-        where = positions % self.capacity
-        rows = torch.arange(B, device=x.device)
-        self.k[rows, :, where] = k
-        self.v[rows, :, where] = v
-        L = max(lengths)
-        mask = None
-        if min(lengths) != L:
-            mask = (torch.arange(L, device=x.device)[None, :] < torch.tensor(lengths, device=x.device)[:, None])
-            mask = mask[:, None, None, :]
-        o = F.scaled_dot_product_attention(q[:, :, None], self.k[:B, :, :L], self.v[:B, :, :L], attn_mask=mask)
-        return o.reshape(B, -1) @ self.o_proj.T
+        """A growing-cache mixer's step alone (benchmarks/decode_step.py): x [B, d] (normalised)."""
+        return self.step(x, rope, self.first(x.shape[0]), self.static, positions, lengths)
+
+    def __call__(self, h, rope, positions, lengths: list[int]):
+        """A block whose cache grows (softmax, sliding window): h [B, d] -> [B, d]; lengths: the
+        tokens each row holds after this one (host ints: no device sync per step)."""
+        t = self.first(h.shape[0])
+        h = h + self.step(rms_norm(h, t["mixer_norm"], self.eps[0]), rope, t, self.static, positions, lengths)
+        return _swiglu_residual(h, t["ffn_norm"], self.eps[1], t["w13"], t["w2"])
 
 
 class FusedDecoder:
@@ -406,34 +221,32 @@ class FusedDecoder:
             check_kv_pool(model, slots, capacity, device, f"{slots} sequence(s) of up to {capacity:,} tokens (prompt "
                           f"+ new tokens)", "Ask for fewer tokens (--max-new-tokens) or fewer sequences at once "
                           "(--batch-size)")
-        self.layers = [_SoftmaxLayer(block, slots, capacity) if isinstance(block.mixer, SoftmaxAttention)
-                       else _InterdomainLayer(block, slots, real_update=compile) for block in model.layers]
+        self.layers = [_Layer(block, slots, capacity, real_update=compile) for block in model.layers]
         self.block = torch.compile(fixed_state_block, dynamic=False) if compile else fixed_state_block
         self.core, self.kernel = self._kernel(kernel, device, model.lm_head.weight.dtype, compile)
         # RoPE's inverse frequencies, one table per (head dim, theta) in use
         self.rope_tables = {}
+        dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
         for layer in self.layers:
-            if layer.rope:
-                dtype = torch.promote_types(layer.dtype, torch.float32)
-                self.rope_tables[(layer.Dh, layer.theta)] = layer.theta ** (
-                    -torch.arange(0, layer.Dh, 2, device=device, dtype=dtype) / layer.Dh)
+            if layer.facts.rope:
+                Dh, theta = layer.facts.rope
+                self.rope_tables[(Dh, theta)] = theta ** (-torch.arange(0, Dh, 2, device=device, dtype=dtype) / Dh)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.lengths = [0] * slots      # host copy of positions (no device sync per step)
         self.embed, self.lm_head = model.embed.weight.detach(), model.lm_head.weight.detach()
         self.norm_w, self.norm_eps = model.norm.weight.detach(), model.norm.eps
-        self.unbounded = any(isinstance(layer, _SoftmaxLayer) and layer.window is None for layer in self.layers)
+        self.unbounded = any(layer.facts.needs_capacity for layer in self.layers)
 
     def _kernel(self, wanted: str, device, dtype, compile: bool):
         """(the C++ core or None, "cpp" or "torch") for kernel=`wanted`."""
-        if wanted == "torch" or not any(isinstance(layer, _InterdomainLayer) for layer in self.layers):
+        if wanted == "torch" or not any(layer.facts.fixed_size for layer in self.layers):
             return None, "torch"
         why = ("compile=True runs the torch ops through torch.compile" if compile else
                f"the model is on {device.type}, not the CPU" if device.type != "cpu" else
                f"the model is {dtype}, not float32 or float64" if dtype not in (torch.float32, torch.float64)
                else None)
         if why is None:
-            from .cpu_kernel import fixed_state_step_kernel
-            core = fixed_state_step_kernel()
+            core = cpu_kernel.fixed_state_step_kernel()
             if core is not None:
                 return core, "cpp"
             why = "the C++ kernel could not be built (the warning above says why)"
@@ -452,11 +265,11 @@ class FusedDecoder:
             raise FusedDecodeError(f"a prefix of {position} tokens leaves no room in a KV cache of "
                                    f"{self.capacity} tokens: give a larger capacity.")
         for i, (layer, state) in enumerate(zip(self.layers, states)):
-            wanted = {"k", "v"} if isinstance(layer, _SoftmaxLayer) else {"ssm", "conv"}
+            wanted = set(layer.facts.state_keys)
             if not isinstance(state, dict) or not wanted <= set(state):
                 got = sorted(state) if isinstance(state, dict) else type(state).__name__
                 raise FusedDecodeError(f"layer {i}'s state has {got}, not the {sorted(wanted)} of its "
-                                       f"{type(layer).__name__.strip('_').replace('Layer', '').lower()} mixer: "
+                                       f"{layer.facts.name} mixer: "
                                        f"the states of another model?")
         with torch.no_grad():
             for layer, state in zip(self.layers, states):
@@ -498,12 +311,11 @@ class FusedDecoder:
         lengths = [length + 1 for length in self.lengths[:n]]
         h = self.embed[tokens]
         for layer in self.layers:
-            angles = rope.get((layer.Dh, layer.theta)) if layer.rope else None
-            if isinstance(layer, _SoftmaxLayer):
-                seen = lengths if layer.window is None else [min(m, layer.window) for m in lengths]
-                h = layer(h, angles, positions, seen)
+            angles = rope.get(layer.facts.rope) if layer.facts.rope else None
+            if layer.facts.fixed_size:
+                h = self.block(h, angles, layer.first(n), layer.static, layer.eps, layer.step, self.core)
             else:
-                h = self.block(h, angles, layer.first(n), layer.static, self.core)
+                h = layer(h, angles, positions, lengths)
         positions += 1
         self.lengths[:n] = lengths
         return rms_norm(h, self.norm_w, self.norm_eps) @ self.lm_head.T
@@ -512,6 +324,6 @@ class FusedDecoder:
 def fused_decode_refusal(model) -> str | None:
     """Why `model` has no fused decode step (None: it has one)."""
     for i, block in enumerate(model.layers):
-        if not isinstance(block.mixer, (InterdomainMixer, SoftmaxAttention)):
+        if not _has_decode(block.mixer):
             return f"layer {i}'s mixer ({type(block.mixer).__name__}) has no fused decode step"
     return None

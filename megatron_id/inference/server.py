@@ -30,8 +30,12 @@ import time
 import uuid
 from pathlib import Path
 
+import torch
+
 from ..errors import BadOptionError
 from .batching import ContinuousBatcher, Request
+from .fused_decode import check_kv_pool, fused_decode_refusal
+from .generate import load_trained, resolve_device
 
 # OpenAI parameters accepted only at their neutral value: anything else is refused, not ignored
 NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "top_p": 1,
@@ -307,7 +311,8 @@ def check_listen_address(host: str, port: int) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as err:
         raise BadOptionError(f"--host {host}: not an address or a host name that resolves ({err}): give an address "
-                             f"of this machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface).") from None
+                             f"of this machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every "
+                             f"interface).") from None
     family, kind, proto, _, address = infos[0]
     try:
         with socket.socket(family, kind, proto) as probe:
@@ -332,9 +337,6 @@ def serve(args) -> int:
         from aiohttp import web
     except ImportError:
         raise BadOptionError("megatron-id serve needs aiohttp: pip install 'megatron_id[serve]'.") from None
-    import torch
-    from ..generation import load_trained, resolve_device
-    from .fused_decode import check_kv_pool, fused_decode_refusal
     device = resolve_device(args.device)
     check_listen_address(args.host, args.port)   # before the model is loaded
     trained = load_trained(args.checkpoint, args.tokenizer, args.allow_tokenizer_mismatch, args.verify)
@@ -347,9 +349,10 @@ def serve(args) -> int:
         torch.set_num_threads(args.threads)
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     max_model_len = args.max_model_len or trained.cfg.seq_length
+    defaulted = '' if args.max_model_len else ' (the seq_length of the model)'
     check_kv_pool(model, args.slots, max_model_len, device,
-                  f"--max-model-len {max_model_len:,}{'' if args.max_model_len else ' (the seq_length of the model)'} x "
-                  f"--slots {args.slots:,}", "Lower --max-model-len or --slots")
+                  f"--max-model-len {max_model_len:,}{defaulted} x --slots {args.slots:,}",
+                  "Lower --max-model-len or --slots")
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
                                 prefill_chunk_size=args.prefill_chunk_size)
     engine = Engine(batcher, args.max_pending or 4 * args.slots, trained.eod)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig, ffn_hidden_size
 from .language_model import LanguageModel
 from .layers import Linear, ShortConv
 from .mixers import MIXERS, InterdomainMixer, build_mixer
 from .pattern import layer_config, layer_letters, layer_mixer
+from .spec import ModelConfig, ffn_hidden_size
 
 
 @dataclass

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from ..config import ModelConfig, ffn_hidden_size
 from .init import initialize
 from .layers import Embedding, Linear, RMSNorm
 from .mixers import build_mixer
 from .pattern import layer_config, layer_mixer
 from .roles import COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, VOCAB_ROWS, check_declarations
+from .spec import ModelConfig, ffn_hidden_size
 
 
 class SwiGLU(nn.Module):

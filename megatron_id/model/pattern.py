@@ -16,51 +16,35 @@ As Megatron-LM's --hybrid-layer-pattern (M, *, - and | there). Unset, the patter
 model.mixer's letter repeated n_layers times, and every layer gets the model's own config, so a
 uniform model is built exactly as before (same modules, names and initial weights).
 
-Plain code on any config-like object (the training ModelConfig, or the namespace of an HF
-export: the export bundles this file), so it reads fields with getattr and builds per-layer
-configs by copying.
+Plain torch-free code on the ModelConfig of model/spec.py (the training config's, or the one an
+HF export rebuilds from its config.json: the export bundles this file); per-layer configs are
+copies of it. The letters are those of model/spec.py's MIXER_SPECS, each mixer's row.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
+from .spec import LETTER_MIXERS, MIXER_SPECS, Letter, ModelConfig
 
-@dataclass(frozen=True)
-class LayerKind:
-    """One letter of model.layer_pattern."""
-    mixer: str                  # the model.mixer value whose module runs it (model/mixers MIXERS)
-    name: str                   # what reports call it
-    switches: dict | None       # its layer's config in a hybrid: these keys replaced; None: the model's own
-
-
-# the one table of layer letters: config.py's pattern check, the model build, the reports and
-# the HF export all read it (docs/adding-a-mixer.md adds a letter here)
-LAYER_KINDS = {
-    "I": LayerKind("interdomain", "interdomain", None),   # the cube switches apply to these layers
-    "S": LayerKind("s4d", "s4d", dict(query_readout=False, dual_kv_input=False, rope=False, output_gate=False,
-                                      window=None)),
-    "A": LayerKind("softmax", "softmax", dict(query_readout=None, dual_kv_input=None, rope=True,
-                                              output_gate=False, window=None)),
-    "W": LayerKind("softmax", "sliding-window softmax", dict(query_readout=None, dual_kv_input=None, rope=True,
-                                                             output_gate=False)),
-}
-LAYER_MIXERS = {letter: kind.mixer for letter, kind in LAYER_KINDS.items()}
+# every letter of model.layer_pattern, in the order reports list them (LETTER_MIXERS')
+LAYER_KINDS: dict[str, Letter] = {letter: MIXER_SPECS[mixer].letters[letter] for letter, mixer in LETTER_MIXERS.items()}
+# letter -> the model.mixer value whose module runs it (model/spec.py MIXERS)
+LAYER_MIXERS = dict(LETTER_MIXERS)
 # a uniform model's letter: its mixer's first letter (A, not W)
-LETTER_OF_MIXER = {kind.mixer: letter for letter, kind in reversed(LAYER_KINDS.items())}
+LETTER_OF_MIXER = {mixer: next(iter(spec.letters)) for mixer, spec in MIXER_SPECS.items() if spec.letters}
 STAGE_MARK = "|"
 
 
-def _value(x):
-    return getattr(x, "value", x)
+def spelled_out(layer_pattern: str | None, mixer: str, n_layers: int) -> str:
+    """One letter per layer from the three keys that decide it (mixer: a model.mixer value)."""
+    if layer_pattern:
+        return layer_pattern.replace(STAGE_MARK, "")
+    return LETTER_OF_MIXER[mixer] * n_layers
 
 
-def layer_letters(cfg) -> str:
+def layer_letters(cfg: ModelConfig) -> str:
     """One letter per layer (the pattern without its stage marks)."""
-    pattern = getattr(cfg, "layer_pattern", None)
-    if pattern:
-        return pattern.replace(STAGE_MARK, "")
-    return LETTER_OF_MIXER[_value(cfg.mixer)] * cfg.n_layers
+    return spelled_out(cfg.layer_pattern, cfg.mixer.value, cfg.n_layers)
 
 
 def is_hybrid(cfg) -> bool:
@@ -70,7 +54,7 @@ def is_hybrid(cfg) -> bool:
 
 def stage_layer_counts(cfg) -> list[int] | None:
     """Layers per segment between the pattern's stage marks; None without marks."""
-    pattern = getattr(cfg, "layer_pattern", None)
+    pattern = cfg.layer_pattern
     if not pattern or STAGE_MARK not in pattern:
         return None
     return [len(part) for part in pattern.split(STAGE_MARK)]
@@ -96,7 +80,7 @@ def layer_mixer(cfg, index: int) -> str:
 
 def layer_window(cfg, index: int) -> int | None:
     """The attention window of layer `index` (W layers), else None."""
-    return getattr(cfg, "window", None) if layer_letters(cfg)[index] == "W" else None
+    return cfg.window if layer_letters(cfg)[index] == "W" else None
 
 
 def describe_pattern(cfg) -> str:
@@ -105,15 +89,15 @@ def describe_pattern(cfg) -> str:
     if not is_hybrid(cfg):
         return f"{LAYER_KINDS[letters[0]].name} x {len(letters)}"
     counts = ", ".join(f"{letters.count(c)} {kind.name}" for c, kind in LAYER_KINDS.items() if c in letters)
-    return f"{getattr(cfg, 'layer_pattern')} ({counts})"
+    return f"{cfg.layer_pattern} ({counts})"
 
 
 def model_label(cfg) -> str:
     """What a header calls the model's mixer: 'interdomain', or 'hybrid IIIAIIIAIIIA' (with
     ', window N' when it has W layers)."""
-    label = _value(cfg.mixer)
+    label = cfg.mixer.value
     if is_hybrid(cfg) or "W" in layer_letters(cfg):
-        label = f"{label} {getattr(cfg, 'layer_pattern')}"
+        label = f"{label} {cfg.layer_pattern}"
         if "W" in layer_letters(cfg):
-            label += f" window={getattr(cfg, 'window')}"
+            label += f" window={cfg.window}"
     return label

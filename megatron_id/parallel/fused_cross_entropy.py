@@ -13,7 +13,7 @@ h [..., d] is the head's input as its matmul sees it, i.e. inside the tensor-par
 parallelism the gather along the sequence); weight [V_local, d] this rank's vocabulary rows,
 from vocab_start = TP rank x V_local, rows at or beyond `vocab_size` being padding (masked, as
 in the unfused loss); target [...] token ids; loss_mask [...] 0/1 or None. The result is the
-masked mean over tokens (training/documents.masked_mean: the mean without a mask), a scalar.
+masked mean over tokens (masked_mean below: the mean without a mask), a scalar.
 
 Per chunk of C tokens (Megatron's vocab-parallel cross entropy, one chunk at a time):
     z = h_c W^T                        float32 (under autocast the matmul in its dtype, as F.linear)
@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..training.documents import masked_mean
 from . import mappings
 from .layers import group_rank, group_size, vocab_parallel_cross_entropy
 
@@ -63,6 +62,16 @@ CHUNK_ELEMENTS = 16 * 2**20
 
 def default_chunk_size(vocab_local: int) -> int:
     return max(64, CHUNK_ELEMENTS // vocab_local // 64 * 64)
+
+
+def masked_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The loss over the tokens that count (Megatron: sum(loss * mask) / sum(mask)); a
+    micro-batch with none counts zero rather than dividing by zero. Here, below training/, so
+    that the reference below and training/loss.py share it without parallel/ importing training/."""
+    if mask is None:
+        return per_token.mean()
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp_min(1)
 
 
 def naive_lm_head_loss(h, weight, target, group, vocab_size: int, loss_mask=None):

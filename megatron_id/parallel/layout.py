@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from ..config import ConfigError, ModelConfig, ffn_hidden_size
+from ..model.accounting import layer_flops_per_token
 from ..model.pattern import is_hybrid, stage_layer_counts
 
 
@@ -113,7 +114,6 @@ def _stage_layers(cfg: ModelConfig, pipe: int) -> list[range]:
     if marks is not None and len(marks) == pipe:
         counts = marks
     elif is_hybrid(cfg):
-        from ..model.accounting import layer_flops_per_token
         counts = balanced_counts(layer_flops_per_token(cfg), pipe)
     else:
         counts = [n // pipe] * pipe

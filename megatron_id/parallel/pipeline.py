@@ -3,7 +3,7 @@
 The model is the same single-device LanguageModel, built on the meta device (no memory) and
 tensor-parallelised there; its pieces become the pipeline's layer list
 
-    [EmbeddingStage, BlockStage(0), ..., BlockStage(L-1), FinalNormStage, HeadStage] -> loss_fn
+    [EmbeddingStage, BlockStage(0), ..., BlockStage(L-1), FinalNormStage, HeadStage] -> loss
 
 (with model.tie_embeddings the first and last are one TiedEmbeddingStage, DeepSpeed's
 TiedLayerSpec)
@@ -16,6 +16,9 @@ with its name inside the whole model, so PP=2 starts from exactly the weights of
 
 Names: pipeline checkpoints store one file per piece (`layer_XX-model_YY-model_states.pt`);
 `to_model_names` / `from_model_names` translate between those and the LanguageModel's keys.
+
+The loss is the caller's (the Trainer's training/loss.LanguageModelLoss, the same object its
+plain engine path calls): the last stage hands it the head's output and the batch's labels.
 """
 from __future__ import annotations
 
@@ -27,11 +30,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model import LanguageModel
-from ..training.documents import masked_mean
-from .fused_cross_entropy import lm_head_loss
-from .layers import vocab_parallel_cross_entropy
 from .layout import stage_layers
 from .tensor_parallel import materialise, parallelize
+
 
 class EmbeddingStage(nn.Module):
     """Packed documents (training/documents.py) arrive as (tokens, seq_idx, position_ids); the
@@ -168,16 +169,20 @@ def staged_pipeline_module(bounds, *args, **kwargs):
     return _staged_pipeline_class()(bounds, *args, **kwargs)
 
 
-def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, loss_vocab: int,
+def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, loss,
                    sequence_parallel: bool = False, activation_checkpointing: bool = False,
-                   device="cpu", documents=None, fused_loss: bool = False):
+                   device="cpu", documents=None):
     """The PipelineModule for `cfg` on `topology` (DeepSpeed's PipeModelDataParallelTopology;
-    its model axis is `tp_group`). The loss is the vocab-parallel cross entropy over the first
-    `loss_vocab` entries (the padding is masked). documents: training/documents.DocumentOptions
-    when packed-document switches are on (the batches then carry the document tensors).
-    fused_loss: the last stage ends with the final hidden states and the loss applies the LM
-    head chunk by chunk (parallel/fused_cross_entropy.py; train.fused_lm_head_loss)."""
+    its model axis is `tp_group`). loss: called on the last stage as loss(output, labels, mask,
+    lm_head=...) (training/loss.LanguageModelLoss); with `loss.fused` true the last stage ends
+    with the final hidden states and the loss applies the LM head itself
+    (train.fused_lm_head_loss). documents: training/documents.DocumentOptions when
+    packed-document switches are on (the batches then carry the document tensors)."""
+    # deepspeed.pipe here, not at the top: importing it starts DeepSpeed's accelerator detection,
+    # which the modules importing this one for its name mapping alone (checkpoint/) do not need
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    fused_loss = loss.fused
 
     with torch.device("meta"):
         meta = LanguageModel(cfg, seed=None)
@@ -192,14 +197,11 @@ def pipeline_model(cfg: ModelConfig, topology, tp_group, *, seed: int | None, lo
     specs = [first] + [LayerSpec(BlockStage, meta, i, seed, device, documents) for i in range(cfg.n_layers)]
     specs += [LayerSpec(FinalNormStage, meta, seed, device), last]
 
-    def loss_fn(logits, labels):
-        if fused_loss:   # `logits` are the final hidden states
-            labels, mask = labels if isinstance(labels, tuple) else (labels, None)
-            return lm_head_loss(last_head(), logits, labels, loss_vocab, mask)
-        if isinstance(labels, tuple):   # packed documents: (labels, loss mask)
-            labels, mask = labels
-            return masked_mean(vocab_parallel_cross_entropy(logits, labels, tp_group, loss_vocab), mask)
-        return vocab_parallel_cross_entropy(logits, labels, tp_group, loss_vocab).mean()
+    def loss_fn(output, labels):
+        """DeepSpeed's loss_fn(outputs, labels) on the last stage: `labels` is the batch's second
+        element, with packed documents (labels, loss mask) (training/engine.py _pipeline_batches)."""
+        labels, mask = labels if isinstance(labels, tuple) else (labels, None)
+        return loss(output, labels, mask, lm_head=last_head() if fused_loss else None)
 
     # pieces per stage: the embedding joins the first stage, the final norm and head the last
     blocks = stage_layers(cfg, topology.get_dim("pipe"))

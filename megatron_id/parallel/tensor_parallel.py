@@ -29,14 +29,20 @@ import torch
 from torch import nn
 
 from ..config import Mixer, ModelConfig
+from ..model.init import initialize
 from ..model.language_model import LanguageModel
 from ..model.layers import Embedding, Linear, RMSNorm
-from ..model.init import initialize
 from ..model.mixers import MIXERS, InterdomainMixer
 from ..model.roles import Role, Split, parameter_roles
 from . import mappings
-from .layers import (ColumnParallelLinear, PartialGradRMSNorm, RowParallelLinear,
-                     VocabParallelEmbedding, group_size, shard_parameter)
+from .layers import (
+    ColumnParallelLinear,
+    PartialGradRMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    group_size,
+    shard_parameter,
+)
 from .layout import check_model_split, padded_vocab_size
 
 # ---------------------------------------------------------------- the declared roles by name

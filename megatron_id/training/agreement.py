@@ -24,8 +24,9 @@ from ..checkpoint.files import model_config_dict, read_client_state
 from ..config import Config, ConfigError, defaulted_keys
 from ..data.gpt_dataset import parse_data_path
 from ..data.indexed_dataset import IndexedDataset, matching_meta
-from ..data.tokenizer import (MISMATCH_KEY, check_same_tokenizer, identity_of_file,
-                              load_tokenizer, tokenizer_identity)
+from ..data.tokenizer import MISMATCH_KEY, check_same_tokenizer, identity_of_file, load_tokenizer, tokenizer_identity
+from ..model.accounting import report
+from ..model.pattern import spelled_out
 
 
 @dataclass
@@ -121,11 +122,9 @@ RESUME_FREE_KEYS = frozenset({"core_impl", "chunk_size"})
 def _layers_spelled_out(model: dict) -> dict:
     """The model config with layer_pattern as one letter per layer: an unset pattern and its
     uniform spelling are one model, and the | marks (pipeline stages) may change on a resume."""
-    from types import SimpleNamespace
-    from ..model.pattern import layer_letters
     if "mixer" not in model or "n_layers" not in model:
         return model
-    return {**model, "layer_pattern": layer_letters(SimpleNamespace(**model))}
+    return {**model, "layer_pattern": spelled_out(model.get("layer_pattern"), model["mixer"], model["n_layers"])}
 
 
 def check_resume_model(folder: Path, cfg: Config) -> None:
@@ -173,7 +172,6 @@ def check_host_memory(cfg: Config, layout, planned_gib: float) -> None:
     """A CPU run whose planned memory is above what the host has free is refused before any
     work: the kernel's OOM killer would end it mid-setup with no message (SIGKILL). The
     message says where the model came from when the schema's defaults decided it."""
-    from ..model.accounting import report
     available = available_host_memory()
     ranks = ranks_on_this_host()
     if not cfg.train.check_host_memory or available is None or planned_gib * ranks * 2**30 <= available:

@@ -36,8 +36,9 @@ import sys
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
-from ..model.pattern import layer_letters
 from ..errors import UserError
+from ..model.pattern import layer_letters
+from ..ops.interdomain.chunked import RECOMPUTE_FROM_TOKENS
 
 
 class CompileToolchainError(UserError):
@@ -53,7 +54,6 @@ def check_compile_config(cfg: Config) -> None:
             "been compiled and tested. Set train.compile=false or parallel.context_parallel_size=1.")
     if not cfg.train.compile or not set(layer_letters(cfg.model)) & set("IS"):   # softmax has no SSM core
         return
-    from ..ops.interdomain.chunked import RECOMPUTE_FROM_TOKENS
     impl, n = cfg.model.core_impl.value, cfg.model.seq_length
     if impl == "recompute" or (impl == "auto" and n >= RECOMPUTE_FROM_TOKENS):
         why = ("model.core_impl=recompute" if impl == "recompute" else

@@ -11,7 +11,7 @@ All three are off by default, as in Megatron. Documents are found as Megatron fi
 (get_ltor_masks_and_position_ids): a document ends with its EOD token, and the next one starts
 right after it. The EOD id is the data's own (the `.meta.json` sidecar preprocessing writes) or
 data.eod_token_id. The model receives `seq_idx` [B, N] (a document index per token, Mamba's
-name) and `position_ids` [B, N]; the loss a 0/1 mask.
+name) and `position_ids` [B, N]; the loss a 0/1 mask (training/loss.py applies it).
 """
 from __future__ import annotations
 
@@ -67,15 +67,6 @@ def document_index(tokens: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, tor
     after_eod[:, 1:] = eod[:, :-1]
     first = torch.cummax(torch.where(after_eod, positions, 0), dim=-1).values   # the document's first token
     return seq_idx, positions - first
-
-
-def masked_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The loss over the tokens that count (Megatron: sum(loss * mask) / sum(mask)); a
-    micro-batch with none counts zero rather than dividing by zero."""
-    if mask is None:
-        return per_token.mean()
-    mask = mask.to(per_token.dtype)
-    return (per_token * mask).sum() / mask.sum().clamp_min(1)
 
 
 def resolve_eod_id(data) -> int:

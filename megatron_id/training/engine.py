@@ -44,31 +44,54 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ConfigError, DataSource
 from ..checkpoint import engine_io
-from ..checkpoint.files import (ClientState, latest_folder, model_config_dict, remove_stale_staging, rng_state,
-                                set_rng_state, step_of, tag_for)
-from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
+from ..checkpoint.files import (
+    ClientState,
+    latest_folder,
+    model_config_dict,
+    remove_stale_staging,
+    rng_state,
+    set_rng_state,
+    step_of,
+    tag_for,
+)
 from ..checkpoint.integrity import CheckpointError
-from ..errors import UserError
+from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
+from ..config import Config, ConfigError, DataSource
+from ..data.gpt_dataset import (
+    PretrainingSampler,
+    build_gpt_datasets,
+    check_batch_token_ids,
+    check_data,
+    check_valid_set,
+    default_cache_dir,
+    parse_split,
+)
 from ..data.mqar import MQARDataset, MQARTask, check_mqar_run
-from ..data.gpt_dataset import (PretrainingSampler, build_gpt_datasets, check_batch_token_ids, check_data,
-                                check_valid_set, default_cache_dir)
-from ..parallel import state, vocab_parallel_cross_entropy
-from ..parallel.tensor_parallel import parallel_model
+from ..errors import UserError
+from ..hf.export import export_hf, why_not_an_export
+from ..parallel import state
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
 from ..parallel.pipeline import pipeline_model
-from ..parallel.fused_cross_entropy import lm_head_loss
+from ..parallel.tensor_parallel import parallel_model
 from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
-from .documents import DocumentOptions, document_index, masked_mean
-from .distributed import (Heartbeat, agree_on_rank0, collective_timeout_error, is_collective_timeout,
-                          local_device_index, skip_deepspeed_shm_build, uses_cuda)
 from .compilation import check_compile_toolchain, compile_engine
+from .distributed import (
+    Heartbeat,
+    agree_on_rank0,
+    collective_timeout_error,
+    is_collective_timeout,
+    local_device_index,
+    skip_deepspeed_shm_build,
+    uses_cuda,
+)
+from .documents import DocumentOptions, document_index
 from .layout import deepspeed_config, training_layout
+from .loss import LanguageModelLoss
 from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
-from .profiling import ProfileWindow, StepTimer
+from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups, wsd_decay_steps
 from .plan import run_estimate_gib
-from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups
+from .profiling import ProfileWindow, StepTimer
 
 
 def check_export_at_end(cfg: Config) -> None:
@@ -77,7 +100,6 @@ def check_export_at_end(cfg: Config) -> None:
     out = cfg.train.export_hf_at_end
     if not out:
         return
-    from ..hf.export import why_not_an_export
     if not cfg.train.save:
         raise ConfigError(f"train.export_hf_at_end={out} exports the last checkpoint, and train.save is unset: "
                           f"set train.save=<folder>.")
@@ -153,8 +175,6 @@ def check_run(cfg: Config, layout, on_gpu: bool):
 def run_warnings(cfg: Config, layout, world_size: int) -> list[str]:
     """Settings that would be ignored, in whole or in part, without a word: one line each,
     printed before any work (train on rank 0, job-prepare)."""
-    from ..data.gpt_dataset import parse_split
-    from .optim import wsd_decay_steps
     o, t, d = cfg.optimizer, cfg.train, cfg.data
     given = getattr(cfg, "given_keys", None) or frozenset()
     iters, out = layout.train_iters, []
@@ -253,12 +273,14 @@ class Trainer:
         self.documents = DocumentOptions.from_config(cfg.data)   # packed documents (off by default)
         self.mqar = (MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size)
                      if cfg.data.source == DataSource.mqar else None)
+        # the one loss of every path: _loss below (plain engine) and the pipeline's last stage
+        self.loss = LanguageModelLoss.from_config(cfg, self.tp_group, context=self.context, documents=self.documents,
+                                                  mqar=self.mqar)
         if self.pipelined:   # DeepSpeed's PipelineEngine; its mpu is the module's own grid
             model, mpu = pipeline_model(
-                cfg.model, state.get_topology(), self.tp_group, seed=cfg.seed,
-                loss_vocab=cfg.model.vocab_size, sequence_parallel=cfg.parallel.sequence_parallel,
-                activation_checkpointing=cfg.train.activation_checkpointing, documents=self.documents,
-                fused_loss=cfg.train.fused_lm_head_loss), None
+                cfg.model, state.get_topology(), self.tp_group, seed=cfg.seed, loss=self.loss,
+                sequence_parallel=cfg.parallel.sequence_parallel,
+                activation_checkpointing=cfg.train.activation_checkpointing, documents=self.documents), None
         else:
             # built on the meta device and materialised as this TP rank's shard: a rank never
             # holds the whole model (its init draws one full-size tensor at a time)
@@ -362,45 +384,22 @@ class Trainer:
         return index_cache_dir(self.cfg)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """The forward and self.loss of one micro-batch (the plain engine; PP > 1 runs the same
+        loss on its last stage), reported to the non-finite guard."""
         inputs, labels = batch[:, :-1], batch[:, 1:]
-        extra, mask = self.documents.model_inputs(inputs), self.documents.loss_mask(inputs)
-        if self.mqar is not None:   # only the answers count
-            mask = self.mqar.answer_mask(inputs) if mask is None else mask * self.mqar.answer_mask(inputs)
+        extra, mask = self.documents.model_inputs(inputs), self.loss.mask(inputs)
         if self.context is not None:   # this rank's block of every tensor (documents found on the whole sample)
             inputs, labels = split_sequence(inputs, self.context), split_sequence(labels, self.context)
             extra = {k: split_sequence(v, self.context) for k, v in extra.items()}
             mask = None if mask is None else split_sequence(mask, self.context)
-        if self.cfg.train.fused_lm_head_loss:   # the LM head runs inside the loss, chunked
-            return self.guard.observe_loss(self._fused_loss(inputs, labels, extra, mask))
+        if self.loss.fused:   # the model returns its final hidden states; the loss applies the LM head
+            with self._autocast(inputs.device):   # the head's matmul under autocast, as inside the model
+                hidden = self.engine(inputs, return_hidden=True, **extra)
+                loss = self.loss(hidden, labels, mask, lm_head=self.engine.module.lm_head)
+            return self.guard.observe_loss(loss)
         with self._autocast(batch.device):
             logits = self.engine(inputs, **extra)
-        per_token = vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.cfg.model.vocab_size)
-        if self.context is not None:
-            return self.guard.observe_loss(self._context_parallel_loss(per_token, mask))
-        return self.guard.observe_loss(masked_mean(per_token, mask))
-
-    def _context_parallel_loss(self, per_token: torch.Tensor, mask) -> torch.Tensor:
-        """Sum of this block's losses / the sample's count of counted tokens, x C: DeepSpeed
-        averages gradients (and we average losses) over the C ranks of a sample, which then
-        gives the whole sample's mean, as without context parallelism (masks included)."""
-        weights = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
-        count = weights.sum().detach()
-        dist.all_reduce(count, group=self.context.group)
-        return (per_token * weights).sum() / count.clamp_min(1) * self.context.size
-
-    def _fused_loss(self, inputs, labels, extra: dict, mask) -> torch.Tensor:
-        """train.fused_lm_head_loss: the model returns its final hidden states and the loss applies
-        the LM head chunk by chunk (parallel/fused_cross_entropy.py), never holding the logits;
-        the value of the unfused path above (with context parallelism, _context_parallel_loss's)."""
-        normalizer = None
-        if self.context is not None:   # the sample's count of counted tokens / C, as above
-            count = (torch.ones_like(labels, dtype=torch.float32) if mask is None else mask.float()).sum()
-            dist.all_reduce(count, group=self.context.group)
-            normalizer = count.clamp_min(1) / self.context.size
-        with self._autocast(inputs.device):   # the head's matmul under autocast, as inside the model
-            hidden = self.engine(inputs, return_hidden=True, **extra)
-            return lm_head_loss(self.engine.module.lm_head, hidden, labels, self.cfg.model.vocab_size, mask,
-                                normalizer=normalizer)
+        return self.guard.observe_loss(self.loss(logits, labels, mask))
 
     def _autocast(self, device):
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
@@ -419,7 +418,7 @@ class Trainer:
             # packed documents: the stages pass (h, seq_idx, position_ids) along, the loss gets
             # (labels, mask) (parallel/pipeline.py); both always present, the stages know which count
             seq_idx, position_ids = document_index(inputs, self.documents.eod_id)
-            mask = self.documents.loss_mask(inputs)
+            mask = self.loss.mask(inputs)
             yield (inputs, seq_idx, position_ids), (labels, torch.ones_like(inputs, dtype=torch.float)
                                                     if mask is None else mask)
 
@@ -600,7 +599,6 @@ class Trainer:
                       f"megatron-id export-hf --checkpoint {self.resume_from} --output {out} --overwrite)",
                       file=sys.stderr, flush=True)
             elif out:
-                from ..hf.export import export_hf
                 done = export_hf(self.resume_from, out, overwrite=True)
                 print(f"exported step {self.step} of {self.resume_from} to {done} (train.export_hf_at_end)",
                       file=sys.stderr, flush=True)
@@ -610,7 +608,6 @@ class Trainer:
         """train.export_hf_at_end: rank 0 exports the final checkpoint (export-hf's rules; an
         earlier export in that folder is replaced, anything else was refused at start)."""
         if dist.get_rank() == 0:
-            from ..hf.export import export_hf
             out = export_hf(self.cfg.train.save, self.cfg.train.export_hf_at_end, overwrite=True)
             print(f"exported step {self.step} to {out} (train.export_hf_at_end)", file=sys.stderr, flush=True)
         dist.barrier()
@@ -712,7 +709,8 @@ class Trainer:
                 "global_batch_size": self.layout.global_batch_size,
                 "index_cache_dir": d.index_cache_dir,
                 "valid_sets": {name: [str(x) for x in path] for name, path in d.valid_sets.items()},
-                "source": d.source.value, **({"mqar": dataclasses.asdict(d.mqar)} if d.source == DataSource.mqar else {})}
+                "source": d.source.value,
+                **({"mqar": dataclasses.asdict(d.mqar)} if d.source == DataSource.mqar else {})}
 
     def load_checkpoint(self, root) -> None:
         """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py)."""

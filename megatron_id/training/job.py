@@ -11,7 +11,8 @@ as `key=value` lines:
     save=...  config_record=...  tensor=2 pipe=1 data=2  step=40  train_iters=96
 
 Defaults for jobs [our choice, Megatron's habit]: checkpoints go to `<run dir>/checkpoints`,
-every step's scalars to `<run dir>/metrics.jsonl`, and `train.load` is `train.save`, so a requeued or chained job resumes from `latest` with the
+every step's scalars to `<run dir>/metrics.jsonl`, and `train.load` is `train.save`, so a
+requeued or chained job resumes from `latest` with the
 same command; a first run finds no checkpoint there and starts from scratch. A config or
 layout error is reported here, once, before srun starts a process per GPU.
 """
@@ -19,12 +20,17 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 
+from ..atomic import write_atomic_text
+from ..checkpoint.files import latest_folder
 from ..config import load_config, to_yaml
 from ..errors import UserError
-from ..checkpoint.files import latest_folder
+from .engine import check_run as train_checks
+from .engine import run_warnings
 from .layout import training_layout
+from .plan import run_estimate_gib
 
 
 class JobLayoutError(UserError):
@@ -81,23 +87,18 @@ def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, wor
     cfg = load_config(config_files, [*overrides, *extra])
     layout = training_layout(cfg, world_size)
     if check_run:
-        import sys
-        from .engine import check_run as train_checks, run_warnings
         train_checks(cfg, layout, on_gpu)
         for line in run_warnings(cfg, layout, world_size):
             print(f"warning: {line}", file=sys.stderr, flush=True)
-    from .plan import run_estimate_gib
     memory_gib = run_estimate_gib(cfg, layout, on_gpu)
     latest = latest_folder(save)
     step = int(latest.name.removeprefix("iter_")) if latest is not None else 0
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     record = logs / f"{job_id}.{attempt}.config.yaml"
-    tmp = record.with_name(record.name + f".tmp-{os.getpid()}")
     arguments = [a for f in config_files for a in ("--config", f)] + [*overrides, *extra]
-    tmp.write_text(f"# SLURM job {job_id}, attempt {attempt}: the resolved config of\n"
-                   f"# megatron-id train {shlex.join(arguments)}\n" + to_yaml(cfg))
-    os.replace(tmp, record)
+    write_atomic_text(record, f"# SLURM job {job_id}, attempt {attempt}: the resolved config of\n"
+                              f"# megatron-id train {shlex.join(arguments)}\n" + to_yaml(cfg))
     return {"override": extra, "save": save, "load": cfg.train.load, "config_record": str(record),
             "tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data,
             "micro_batch": layout.micro_batch_size, "accumulation": layout.gradient_accumulation,

@@ -91,10 +91,21 @@ def check_host(cfg, layout, nproc: int, env=None) -> None:
             os.environ["LOCAL_WORLD_SIZE"] = before
 
 
+# The exit status of a run that a signal (SIGTERM, SIGUSR1) stopped before train_iters, after
+# saving: not 0, so that a script or an `afterok` chain does not take it for a finished run, and
+# not 1 or 2 (an error) [our choice: 3]. launch/slurm/train.sbatch sets
+# MEGATRON_ID_STOPPED_EXIT_STATUS=0: srun's --kill-on-bad-exit would end the other ranks on a
+# non-zero exit, and the script tells a stop from a finish by the checkpoint's step itself.
+# Here, not in commands/train.py, which imports this module: each rank's `megatron-id train`
+# and this launcher both exit with it.
+STOPPED_EXIT_STATUS = 3
+
+
 def stopped_exit_status() -> int:
-    """megatron-id train's status for a run a signal stopped (cli.STOPPED_EXIT_STATUS)."""
-    from ..cli import _stopped_exit_status
-    return _stopped_exit_status()
+    """megatron-id train's status for a run a signal stopped (STOPPED_EXIT_STATUS, unless
+    MEGATRON_ID_STOPPED_EXIT_STATUS says otherwise)."""
+    value = os.environ.get("MEGATRON_ID_STOPPED_EXIT_STATUS", "")
+    return int(value) if value.isdigit() else STOPPED_EXIT_STATUS
 
 
 def _free_port() -> int:

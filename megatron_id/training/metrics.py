@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..atomic import write_atomic_bytes
+from ..config import ConfigError, defaulted_keys
 from ..model.accounting import report
 from ..model.pattern import model_label
+from .distributed import uses_cuda
+from .plan import run_estimate_gib
 
 
 def perplexity(loss: float) -> float:
@@ -48,7 +51,6 @@ def defaults_that_decided(cfg) -> str:
     """A sentence naming the model shape and budget keys no config file or override set (the
     schema's defaults: the 125M model, 4K context, the paper's budget), '' when all were given."""
     from omegaconf import OmegaConf
-    from ..config import defaulted_keys
     groups = {"the model": ("model.d_model", "model.n_layers", "model.n_heads", "model.vocab_size",
                             "model.seq_length"),
               "the budget": ("train.train_tokens", "train.global_batch_size")}
@@ -107,8 +109,6 @@ class Metrics:
 
     def _planned_gib(self, cfg) -> float:
         """The planner's estimate for this layout, to compare with the `mem` column."""
-        from .distributed import uses_cuda
-        from .plan import run_estimate_gib
         return run_estimate_gib(cfg, self.layout, on_gpu=uses_cuda())
 
     def logs(self, step: int) -> bool:
@@ -133,10 +133,12 @@ class Metrics:
         if self.is_logger and self.logs(step):
             done = step - start_step
             eta = (now - self.start) / max(done, 1) * (self.layout.train_iters - step)
-            print(f"step {step}/{self.layout.train_iters} {progress_bar(step / self.layout.train_iters)} | loss {loss:.4f} | ppl {values['perplexity']:.1f} | "
+            print(f"step {step}/{self.layout.train_iters} {progress_bar(step / self.layout.train_iters)} | "
+                  f"loss {loss:.4f} | ppl {values['perplexity']:.1f} | "
                   f"lr {lr:.2e} | grad {values.get('grad_norm', float('nan')):.3f} | "
                   f"{tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}% | "
-                  f"mem {values['memory_gib']:.2f} GiB | skipped {skipped} | ETA {eta:,.0f} s", file=sys.stderr, flush=True)
+                  f"mem {values['memory_gib']:.2f} GiB | skipped {skipped} | ETA {eta:,.0f} s",
+                  file=sys.stderr, flush=True)
             if timing:
                 total = timing.get("step") or sum(v for k, v in timing.items() if k != "step")
                 parts = " | ".join(f"{k.replace('_', ' ')} {v:.3f} s ({100 * v / max(total, 1e-9):.0f}%)"
@@ -250,9 +252,7 @@ def open_metrics_file(path, start_step: int, record: dict | None = None, resumed
         steps = [s for s, _ in later or []]
         if later is not None and all(s > start_step for s in steps) and steps == sorted(set(steps)):
             if later:
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_bytes(head)
-                os.replace(tmp, path)
+                write_atomic_bytes(path, head)
                 print(f"train.metrics_file={path}: dropped the {_steps(later)} this run wrote after its "
                       f"checkpoint of step {start_step}, which it resumes from", file=sys.stderr, flush=True)
             return open(path, "a")

@@ -67,6 +67,10 @@ import math
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError, ffn_hidden_size
+from ..model.accounting import build_on_meta
+from ..model.pattern import layer_mixer
+from ..parallel.layout import stage_layers
+from ..parallel.tensor_parallel import padded_vocab_size, partition_dim
 from .layout import training_layout
 
 GiB = 1024 ** 3
@@ -118,7 +122,6 @@ def _parameter_table(cfg: Config) -> dict:
     from one build on the meta device (exact, no memory; cached: a plan asks hundreds of times)."""
     key = repr(cfg.model)
     if key not in _SHAPES_CACHE:
-        from ..model.accounting import build_on_meta
         model = build_on_meta(cfg.model)
         parts = {"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head,
                  **{f"layers.{i}": block for i, block in enumerate(model.layers)}}
@@ -131,8 +134,6 @@ def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
     """Parameters on one rank of each pipeline stage: the embedding on the first stage, the
     blocks as the pipeline places them (parallel/layout.stage_layers), the final norm and LM
     head on the last; TP shards divided by TP."""
-    from ..parallel.layout import stage_layers
-    from ..parallel.tensor_parallel import padded_vocab_size, partition_dim
     m = cfg.model
     table = _parameter_table(cfg)
     vocab_scale = padded_vocab_size(m, tp) / m.vocab_size
@@ -173,7 +174,6 @@ def block_activation_bytes(cfg: Config, micro_batch: int, tp: int, bf16: bool, l
     """Bytes autograd keeps for block `layer` and one micro-batch (module docstring); a hybrid's
     blocks each by their own mixer's coefficients (a W layer's as softmax: its attention keeps
     q, k, v and the output, as SDPA's kernel does)."""
-    from ..model.pattern import layer_mixer
     m = cfg.model
     mixer = layer_mixer(m, layer)
     c = activation_coefficients(mixer, bf16)
@@ -188,7 +188,6 @@ def block_activation_bytes(cfg: Config, micro_batch: int, tp: int, bf16: bool, l
 
 def stage_activation_bytes(cfg: Config, stage: int, pp: int, tp: int, micro_batch: int,
                            grad_accum: int, checkpointing: bool, bf16: bool) -> float:
-    from ..parallel.layout import stage_layers
     m = cfg.model
     tokens = micro_batch * m.seq_length
     layers = stage_layers(m, pp)[stage]
@@ -202,7 +201,6 @@ def stage_activation_bytes(cfg: Config, stage: int, pp: int, tp: int, micro_batc
         per_mb += 4 * tokens * m.d_model   # embedding output
     total = in_flight * per_mb + once
     if stage == pp - 1:   # final norm, logits, loss: one micro-batch at a time
-        from ..parallel.tensor_parallel import padded_vocab_size
         vocab_local = padded_vocab_size(m, tp) // tp
         # the vocab-parallel loss (parallel/layers.py) peaks at 4 fp32 [tokens, V_local]
         # tensors: the logits, the shifted logits, exp and the softmax it saves (in backward:
@@ -234,15 +232,14 @@ def optimizer_step_bytes(zero_stage: int, params: int, dp: int, largest: int, on
 
 def largest_parameter(cfg: Config, tp: int, pp: int, stage: int) -> int:
     """Elements of the largest parameter on one rank of `stage` (TP shards divided by TP)."""
-    from ..parallel.layout import stage_layers
-    from ..parallel.tensor_parallel import padded_vocab_size, partition_dim
     m = cfg.model
     table = _parameter_table(cfg)
     vocab_scale = padded_vocab_size(m, tp) / m.vocab_size
     parts = [f"layers.{i}" for i in stage_layers(m, pp)[stage]]
     parts += ["embed"] if stage == 0 else []
     parts += ["norm", "lm_head"] if stage == pp - 1 else []
-    sizes = [int(n * vocab_scale if part in ("embed", "lm_head") else n) // (tp if partition_dim(name, m) is not None else 1)
+    sizes = [int(n * vocab_scale if part in ("embed", "lm_head") else n)
+             // (tp if partition_dim(name, m) is not None else 1)
              for part in parts for name, n in table[part]]
     return max(sizes, default=0)
 
@@ -263,7 +260,6 @@ def communication(cfg: Config, tp: int, pp: int, dp: int, zero: int, micro_batch
     act = micro_batch * m.seq_length * m.d_model
     act_bytes = 2 if bf16 else 4
     per_block = (4 + (2 if checkpointing else 0)) * ring_ar(tp, act * act_bytes)
-    from ..parallel.layout import stage_layers
     busiest = max(len(layers) for layers in stage_layers(m, pp))   # blocks of the largest stage
     tp_bytes = grad_accum * (busiest * per_block + 2 * ring_ar(tp, act * 4))
     pp_bytes = grad_accum * 2 * act * 4 if pp > 1 else 0

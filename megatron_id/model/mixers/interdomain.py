@@ -23,17 +23,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.interdomain import FORMS, recurrent_interdomain, step_tables
-from ...ops.interdomain.chunked import (block_end_state, block_transition, chunk_tables, core_step, recomputes,
-                                        segment_tokens)
+from ...ops.interdomain.chunked import (
+    block_end_state,
+    block_transition,
+    chunk_tables,
+    core_step,
+    recomputes,
+    segment_tokens,
+)
+from ...ops.interdomain.ssm import (
+    contraction_vector,
+    discretize,
+    document_starts,
+    readout_gram,
+    readout_scale,
+    s4d_inv_init,
+)
 from ...ops.segments import run_in_segments
-from ...ops.interdomain.ssm import document_starts, s4d_inv_init
-from ..layers import (Linear, RMSNorm, ShortConv, apply_rope, feature_map, left_padding, rms_norm,
-                      short_conv)
+from ..layers import Linear, RMSNorm, ShortConv, apply_rope, feature_map, left_padding, rms_norm, short_conv
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL, SSM_PER_HEAD, SSM_SHARED_NORM, WITH_HEADS
+from ..spec import mixer_module
+from .decode import DecodeFacts, FixedStateStatic, fixed_state_step, state_dtype
 
-DT_MIN, DT_MAX = 1e-3, 1e-1
 
-
+@mixer_module("interdomain", "s4d")   # s4d: this module with both ingredients switched off
 class InterdomainMixer(nn.Module):
     # Every parameter's role (model/roles.py); the init of the own ones is initial_value below.
     # Under TP each rank keeps H / TP contiguous heads: the projections into heads are
@@ -82,11 +95,10 @@ class InterdomainMixer(nn.Module):
         d, H, M = cfg.d_model, cfg.n_heads, cfg.state_size
         self.head_dim, self.state_size = d // H, M
         self.query_readout, self.dual_kv_input = cfg.query_readout, cfg.dual_kv_input
-        self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, getattr(cfg.readout, "value", cfg.readout)
+        self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, cfg.readout.value
         self.chunk_size, self.form = cfg.chunk_size, form
         self.context_parallel = None   # parallel/context_parallel.py sets it: this rank runs one block
-        impl = getattr(cfg, "core_impl", "auto")   # exports written before core_impl existed: auto
-        self.core_impl = getattr(impl, "value", impl)
+        self.core_impl = cfg.core_impl.value
         std, K, Dh = cfg.init_std, cfg.conv_kernel, d // H
         self.conv_kernel = K
 
@@ -100,8 +112,7 @@ class InterdomainMixer(nn.Module):
         self.k_norm, self.v_norm = RMSNorm(Dh, cfg.norm_eps), RMSNorm(Dh, cfg.norm_eps)
         self.k_bias, self.v_bias = nn.Parameter(torch.zeros(H, Dh)), nn.Parameter(torch.zeros(H, Dh))
         self.log_dt = nn.Parameter(torch.zeros(H))
-        # (exports written before model.dt_min existed carry no such keys: the paper's range)
-        self.dt_range = (getattr(cfg, "dt_min", DT_MIN), getattr(cfg, "dt_max", DT_MAX))
+        self.dt_range = (cfg.dt_min, cfg.dt_max)
         self.a_log, self.a_im = nn.Parameter(torch.zeros(H, M)), nn.Parameter(torch.zeros(H, M))
         self.c_re, self.c_im = nn.Parameter(torch.zeros(H, M, M)), nn.Parameter(torch.zeros(H, M, M))
         out_width = d if self.query_readout else 2 * d   # contraction emits [Re c.U, Re c.Gam] per head
@@ -238,7 +249,8 @@ class InterdomainMixer(nn.Module):
         block = projected[1].shape[1]
         fresh = cp.fresh_start(seq_idx)   # a document begins at this block's first token
         keep_rows = None if fresh is None else (~fresh).to(projected[1].dtype)
-        names = (("q_conv",) if self.query_readout else ()) + (("k_conv",) if self.dual_kv_input else ("a_conv", "b_conv"))
+        names = ((("q_conv",) if self.query_readout else ())
+                 + (("k_conv",) if self.dual_kv_input else ("a_conv", "b_conv")))
         inputs = ([projected[0]] if self.query_readout else []) + list(projected[1:2 if self.dual_kv_input else 3])
         conv_in = {}
         for name, x in zip(names, inputs):
@@ -303,3 +315,79 @@ class InterdomainMixer(nn.Module):
         if self.form == "chunked":
             kwargs.update(chunk_size=self.chunk_size, backward=self.core_impl)
         return FORMS[self.form](query, key, value, *self.core_parameters(), **kwargs)
+
+    # The decode interface (model/mixers/decode.py): inference/fused_decode.py decodes N slots
+    # through these alone. The per-slot state is decode.py's real layout of the complex state.
+    decode_step = staticmethod(fixed_state_step)
+
+    def _decode_convolved(self) -> list[str]:
+        """The projections through a short conv, in the order of the decode step's stack."""
+        return (["q"] if self.query_readout else []) + (["k"] if self.dual_kv_input else ["a", "b"])
+
+    def decode_facts(self) -> DecodeFacts:
+        return DecodeFacts("interdomain", ("ssm", "conv"), fixed_size=True, needs_capacity=False,
+                           rope=(self.head_dim, self.rope_theta) if self.rope else None)
+
+    def decode_tables(self, real_update: bool = False) -> tuple[dict, FixedStateStatic]:
+        """The step's parameter-only tensors: one input matrix [q | k | v | g] (the convolved
+        projections first: their channels are the conv window's), the convs' taps, the norms and
+        biases of k and v, W_O, and the core's tables built in float64 (as ops/interdomain's
+        step_tables): lambda and Bbar, and G2 (query readout) or e2 (contraction).
+        real_update: for torch.compile, without the complex tables."""
+        weight = self.o_proj.weight
+        device, sdt = weight.device, state_dtype(weight.dtype)
+        M, Dh = self.state_size, self.head_dim
+        convolved = self._decode_convolved()
+        names = convolved + (["v"] if self.dual_kv_input else []) + (["g"] if hasattr(self, "g_proj") else [])
+        widths = [getattr(self, f"{n}_proj").weight.shape[0] for n in names]
+        convs = [getattr(self, f"{n}_conv") for n in convolved]
+        static = FixedStateStatic(Dh, self.query_readout, self.dual_kv_input, self.rope, hasattr(self, "g_proj"),
+                                  sum(widths[:len(convs)]), (int(self.query_readout) + 1) if self.rope else 0,
+                                  int(self.query_readout) + int(self.dual_kv_input), self.k_norm.eps, real_update)
+        if self.k_norm.eps != self.v_norm.eps:
+            raise ValueError(f"the key and value norms' eps differ ({self.k_norm.eps}, {self.v_norm.eps}): "
+                             f"the fused step normalises both at once.")
+        t = {"w_in": torch.cat([getattr(self, f"{n}_proj").weight for n in names]),
+             "conv_w": torch.cat([c.weight[:, 0] for c in convs]),                   # [C, K]
+             "conv_b": torch.cat([c.bias for c in convs]),
+             "kv_norm": torch.stack([self.k_norm.weight, self.v_norm.weight])[:, None],   # [2, 1, Dh]
+             "kv_bias": torch.stack([self.k_bias, self.v_bias]), "o_proj": weight}       # [2, H, Dh]
+        t = {k: v.detach() for k, v in t.items()}
+        log_dt, a_log, a_im, c_re, c_im = (p.detach().double() for p in self.core_parameters())
+        log_lam, bbar = discretize(log_dt, a_log, a_im)
+        cdt = torch.complex128 if sdt == torch.float64 else torch.complex64
+        lam, bbar = torch.exp(log_lam)[:, None, :], bbar[:, None, :]                # [H, 1, M]
+        t.update(lam=lam.to(cdt), bbar=bbar.to(cdt), lam_re=lam.real.to(sdt), lam_im=lam.imag.to(sdt),
+                 bbar_re=bbar.real.to(sdt), bbar_im=bbar.imag.to(sdt))
+        # stacked index (Re block, then Im block) of each interleaved one: 2m -> m, 2m+1 -> M+m
+        order = torch.stack([torch.arange(M), M + torch.arange(M)], -1).flatten()
+        if self.query_readout:
+            G = readout_gram(c_re, c_im, self.readout) * readout_scale(M)
+            s = -1.0 if self.readout == "hermitian" else 1.0   # p' = conj(p) or p
+            # [Re r, -Im r] = [Re p, Im p] G2 in stacked order, then both sides interleaved
+            g2 = torch.cat([torch.cat([G.real, -G.imag], -1), torch.cat([-s * G.imag, -s * G.real], -1)], -2)
+            t["g2"] = g2[:, order][:, :, order].to(sdt)                                # [H, 2M, 2M]
+        else:
+            e = contraction_vector(c_re, c_im, self.c_vec.detach().double())
+            t["e2"] = torch.cat([e.real, -e.imag], -1)[:, order][:, :, None].to(sdt)   # [H, 2M, 1]
+        t = {k: v.to(device).contiguous() for k, v in t.items()}   # (.real is a strided view)
+        if real_update:
+            del t["lam"], t["bbar"]   # (a compiled step is traced without complex tensors)
+        return t, static
+
+    def allocate_decode_state(self, n_slots: int, capacity: int | None = None, device=None) -> dict:
+        """Per slot, zeroed: the convs' tails [C, K-1] and the state [H, 2 Dh, 2M] (real numbers,
+        float32 or float64: decode.state_dtype). capacity: not needed (a fixed size)."""
+        weight = self.o_proj.weight
+        device = weight.device if device is None else device
+        convs = [getattr(self, f"{n}_conv") for n in self._decode_convolved()]
+        channels, taps = sum(c.weight.shape[0] for c in convs), convs[0].weight.shape[-1]
+        H, M, Dh = self.log_dt.shape[0], self.state_size, self.head_dim
+        return {"conv_tail": torch.zeros(n_slots, channels, taps - 1, dtype=weight.dtype, device=device),
+                "state": torch.zeros(n_slots, H, 2 * Dh, 2 * M, dtype=state_dtype(weight.dtype), device=device)}
+
+    def load_decode_state(self, buffers: dict, slot: int, state: dict) -> None:
+        """forward's state of one sequence ({'ssm', 'conv', 'pos'}, batch 1) into `slot`."""
+        X = state["ssm"][0].transpose(-1, -2)   # [H, M, P] -> [H, P, M]
+        buffers["state"][slot] = torch.view_as_real(X).reshape(buffers["state"].shape[1:])
+        buffers["conv_tail"][slot] = torch.cat([state["conv"][f"{n}_conv"][0] for n in self._decode_convolved()])

@@ -16,8 +16,11 @@ from torch import nn
 from ...ops.attention import causal_attention, visible
 from ..layers import Linear, apply_rope, left_padding
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL
+from ..spec import mixer_module
+from .decode import AttentionStatic, DecodeFacts, attention_step
 
 
+@mixer_module("softmax")
 class SoftmaxAttention(nn.Module):
     # (model/roles.py) under TP each rank keeps whole heads: q, k, v by output features
     PARAMETER_ROLES = {"q_proj": COLUMN_PARALLEL, "k_proj": COLUMN_PARALLEL, "v_proj": COLUMN_PARALLEL,
@@ -27,14 +30,14 @@ class SoftmaxAttention(nn.Module):
     def core_macs_per_token(cfg, context: int) -> int:
         """QK^T and AV over the whole context seen, no causal discount (the PaLM/Megatron MFU
         convention); a window caps the context."""
-        window = getattr(cfg, "window", None)
+        window = cfg.window
         return 2 * (context if window is None else min(context, window)) * cfg.d_model
 
     @staticmethod
     def decode_state_numbers(cfg) -> tuple[int, int]:
         """(fixed, per token of context): the KV cache, 2 d per token; with a window, the full
         window counted as fixed."""
-        window = getattr(cfg, "window", None)
+        window = cfg.window
         return (0, 2 * cfg.d_model) if window is None else (2 * cfg.d_model * window, 0)
 
     def __init__(self, cfg, residual_std: float, form: str = "chunked"):
@@ -42,7 +45,7 @@ class SoftmaxAttention(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.head_dim, self.rope, self.rope_theta = d // cfg.n_heads, cfg.rope, cfg.rope_theta
-        self.window = getattr(cfg, "window", None)   # None: every earlier token (exports before hybrids too)
+        self.window = cfg.window   # None: every earlier token
         self.q_proj, self.k_proj, self.v_proj = (Linear(d, d, cfg.init_std) for _ in range(3))
         self.o_proj = Linear(d, d, residual_std)
         self.context_parallel = None   # parallel/context_parallel.py sets it: this rank runs one block
@@ -91,6 +94,45 @@ class SoftmaxAttention(nn.Module):
         if self.window is not None:   # the next query sees at most window - 1 of these
             k, v = k[:, -self.window:], v[:, -self.window:]
         return y, {"k": k, "v": v, "pos": pos + N}
+
+    # The decode interface (model/mixers/decode.py): inference/fused_decode.py decodes N slots
+    # through these alone. The per-slot state is a KV cache of `capacity` tokens, or of the
+    # window (a ring: decode.attention_step).
+    decode_step = staticmethod(attention_step)
+
+    def decode_facts(self) -> DecodeFacts:
+        return DecodeFacts("softmax", ("k", "v"), fixed_size=False, needs_capacity=self.window is None,
+                           rope=(self.head_dim, self.rope_theta) if self.rope else None)
+
+    def decode_tables(self, real_update: bool = False) -> tuple[dict, AttentionStatic]:
+        """One input matrix [q | k | v] and W_O (real_update: only for fixed-size states)."""
+        t = {"w_in": torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach(),
+             "o_proj": self.o_proj.weight.detach()}
+        return t, AttentionStatic(self.head_dim, self.rope, self.window)
+
+    def allocate_decode_state(self, n_slots: int, capacity: int | None = None, device=None) -> dict:
+        """K and V [n_slots, H, length, Dh], zeroed: length the window, or `capacity` (the most
+        tokens a sequence reaches) without one."""
+        weight = self.o_proj.weight
+        if self.window is not None:
+            capacity = self.window
+        if capacity is None:
+            raise ValueError("a softmax layer's KV cache needs a capacity: give the most tokens a "
+                             "sequence reaches (prompt + new tokens).")
+        k = torch.zeros(n_slots, weight.shape[1] // self.head_dim, capacity, self.head_dim, dtype=weight.dtype,
+                        device=weight.device if device is None else device)
+        return {"k": k, "v": torch.zeros_like(k)}
+
+    def load_decode_state(self, buffers: dict, slot: int, state: dict) -> None:
+        """forward's KV cache of one sequence ({'k', 'v', 'pos'}, batch 1) into `slot`'s ring."""
+        k, v, pos = state["k"][0], state["v"][0], state["pos"]   # [L, H, Dh]: the last L of pos tokens
+        L, capacity = k.shape[0], buffers["k"].shape[2]
+        if L > capacity:
+            raise ValueError(f"a prefix of {pos} tokens does not fit a KV cache of {capacity}: "
+                             f"give a larger capacity.")
+        where = torch.arange(pos - L, pos, device=k.device) % capacity
+        buffers["k"][slot, :, where] = k.transpose(0, 1)
+        buffers["v"][slot, :, where] = v.transpose(0, 1)
 
     def _context_parallel_forward(self, x, seq_idx, position_ids):
         """This rank's block of queries against the keys and values of every block up to its

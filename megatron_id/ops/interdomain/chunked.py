@@ -53,8 +53,7 @@ import warnings
 import torch
 
 from ..segments import run_in_segments
-from .ssm import (complex_dtype_for, contraction_vector, discretize, document_starts, readout_gram,
-                  readout_scale)
+from .ssm import complex_dtype_for, contraction_vector, discretize, document_starts, readout_gram, readout_scale
 
 
 def stack(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ssm import (complex_dtype_for, contraction_vector, discretize, document_starts, readout_gram,
-                  readout_scale)
+from .ssm import complex_dtype_for, contraction_vector, discretize, document_starts, readout_gram, readout_scale
 
 
 @dataclass

@@ -35,6 +35,10 @@ from pathlib import Path
 
 import torch
 
+from ...atomic import write_atomic_text
+from ...config import load_config
+from ...errors import OutputExistsError, UserError, run_guarded
+
 # capability and the most dynamic shared memory one block may opt in to (CUDA's
 # sharedMemPerBlockOptin: what Triton compares against at launch)
 ARCHS = {"sm_80": (80, 166_912), "sm_90": (90, 232_448)}
@@ -82,6 +86,8 @@ def config_shape(model) -> tuple[int, int, int, int]:
 def launches(T: int, M: int, R: int, Dv: int, training: str, H: int = 4) -> list[tuple]:
     """Every distinct kernel launch of one forward + backward at these sizes, for both readouts,
     as (name, Shape, args, constexprs)."""
+    # triton_chunked imports triton, an optional extra: imported where a kernel is compiled, here and
+    # below, so that this module (and `megatron-id kernel-resources --help`) loads without it
     from . import triton_chunked as K
     spec = TRAININGS[training]
     found = []
@@ -99,6 +105,7 @@ def compile_spec(name: str, args, constexprs) -> dict:
     {"signature", "constexprs", "attrs"} for triton.compiler.ASTSource."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
+
     from . import triton_chunked as K
     fn = K.KERNELS[name][0]
     names = fn.arg_names
@@ -165,6 +172,7 @@ def compile_one(name: str, spec: dict, arch: str, config: dict) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     from . import triton_chunked as K
     capability, limit = ARCHS[arch]
     src = ASTSource(fn=K.KERNELS[name][0], signature=spec["signature"], constexprs=spec["constexprs"],
@@ -187,9 +195,7 @@ def compile_one(name: str, spec: dict, arch: str, config: dict) -> dict:
         else:                          # the binary cached without its figures: compile again
             kernel, seconds, figures = build(always=True)
     if not saved.exists():
-        tmp = saved.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(figures))
-        os.replace(tmp, saved)
+        write_atomic_text(saved, json.dumps(figures))
     ttgir = kernel.asm["ttgir"]
     dots = "wgmma" if "warp_group_dot" in ttgir else "mma" if "nvidia_mma" in ttgir else \
         "fma" if "tt.dot" in ttgir else "none"
@@ -285,8 +291,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.jobs is None:   # decided here, not in the parser, so that --help and the docs do not depend on the machine
         args.jobs = min(4, os.cpu_count() or 1)
-    from ...config import load_config
-    from ...errors import UserError
     if args.jobs < 1:   # (0 once compiled in one process without a word)
         raise UserError(f"--jobs {args.jobs}: give at least 1 compiler process (default: the cores, at most 4)")
     from . import triton_chunked
@@ -294,7 +298,6 @@ def main(argv=None) -> int:
         raise UserError("kernel-resources compiles the kernels for a GPU, which Triton's interpreter does not: "
                         "run it without TRITON_INTERPRET=1")
     if args.json and Path(args.json).exists():
-        from ...errors import OutputExistsError
         raise OutputExistsError(f"--json {args.json} exists: give a new file name (it is never replaced)")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UserError(f"--json {args.json}: its folder {Path(args.json).resolve().parent} does not exist")
@@ -302,7 +305,8 @@ def main(argv=None) -> int:
         if args.column_block < 16 or args.column_block & (args.column_block - 1):
             raise UserError(f"--column-block {args.column_block}: give a power of two >= 16 (tl.dot's smallest tile)")
         triton_chunked.COLUMN_BLOCK = args.column_block
-    configs = args.config or sorted(str(f) for f in (Path(__file__).resolve().parents[3] / "configs" / "model").glob("*.yaml"))
+    configs = args.config or sorted(
+        str(f) for f in (Path(__file__).resolve().parents[3] / "configs" / "model").glob("*.yaml"))
     if not configs:
         raise UserError("no model config given and none found under configs/model: "
                         "pass --config configs/model/125m.yaml")
@@ -331,5 +335,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ...errors import run_guarded
     sys.exit(run_guarded("megatron-id kernel-resources", main))

@@ -543,7 +543,8 @@ def _query_backward_dq(q_ptr, sq_b, sq_n, sq_h, k_ptr, sk_b, sk_n, sk_h, states_
     dr_im = tl.load(dr_ptr + part + M)
     G = gram_ptr + h * 4 * M * M + m[:, None] * 2 * M + m[None, :]    # r = p @ gram
     dp_re = _dot(dr_re, tl.trans(tl.load(G)), PREC) + _dot(dr_im, tl.trans(tl.load(G + M)), PREC)
-    dp_im = _dot(dr_re, tl.trans(tl.load(G + 2 * M * M)), PREC) + _dot(dr_im, tl.trans(tl.load(G + 2 * M * M + M)), PREC)
+    dp_im = _dot(dr_re, tl.trans(tl.load(G + 2 * M * M)), PREC) + _dot(dr_im, tl.trans(tl.load(G + 2 * M * M + M)),
+                                                                       PREC)
     lag = lag_ptr + h * T * 2 * M + t[:, None] * 2 * M + m[None, :]   # p = a (.) w + lag(q k^T) @ K
     dscores = _lag_view(_dot(dp_re, tl.trans(tl.load(lag)), PREC) + _dot(dp_im, tl.trans(tl.load(lag + M)), PREC),
                         t) * same

@@ -12,14 +12,20 @@ model, the tokens and the sampler; --cuda-graph replays the decode step as a CUD
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .errors import BadOptionError
-from .model import LanguageModel
+from ..checkpoint.read import read_checkpoint
+from ..data.tokenizer import check_tokenizer_for_model, eod_id, find_tokenizer, load_tokenizer
+from ..errors import BadOptionError
+from ..hf.export import TOKENIZER_ID_KEY, read_hf_folder
+from ..model import LanguageModel
+from ..model.pattern import layer_letters
+from .fused_decode import FusedDecoder
 
 
 class Trained:
@@ -38,10 +44,6 @@ def load_trained(source, tokenizer=None, allow_tokenizer_mismatch: bool = False,
     vocabulary the embedding table holds. An export's files are checked against its manifest
     first (`verify`: "sample" or "full", hf/export.py verify_export); a training checkpoint's
     are checked whole, as always."""
-    import json
-    from .checkpoint.read import read_checkpoint
-    from .data.tokenizer import check_tokenizer_for_model, eod_id, find_tokenizer, load_tokenizer
-    from .hf.export import TOKENIZER_ID_KEY, read_hf_folder
     source = Path(source)
     client = None
     if (source / "config.json").is_file():
@@ -162,7 +164,6 @@ class StaticDecodeStep:
 def static_decode_refusal(cfg) -> str | None:
     """Why a model's decode state cannot live in fixed buffers (None: it can): softmax layers'
     KV caches grow with every token (A), or until they hold their window (W)."""
-    from .model.pattern import layer_letters
     letters = layer_letters(cfg)
     if "A" in letters:
         return "its softmax layers' KV cache grows with every token"
@@ -222,7 +223,7 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
     """Yield new token ids one at a time. Everything runs on the model's device (the sampler's
     `generator` must be on it too). decode: "eager" (a model call per token), "static" (fixed
     buffers updated in place: StaticDecodeStep), "graph" (that step under a CUDA graph) or
-    "fused" (inference/fused_decode.py: every layer's step in few ops on preallocated buffers)."""
+    "fused" (fused_decode.py: every layer's step in few ops on preallocated buffers)."""
     if not prompt:
         raise BadOptionError("the prompt is empty (no tokens): give a prompt with some text.")
     if decode not in DECODES:
@@ -233,7 +234,6 @@ def generate_ids(model: LanguageModel, prompt: list[int], max_new_tokens: int, *
     last = logits[0, -1]
     step = None
     if decode == "fused":
-        from .inference.fused_decode import FusedDecoder
         fused = FusedDecoder(model, slots=1, capacity=len(prompt) + max(max_new_tokens, 1))
         fused.load(0, states, len(prompt))
         step = lambda token: fused.step(torch.tensor([token], device=device))[0]   # noqa: E731

@@ -1,0 +1,110 @@
+"""`megatron-id train`: train with DeepSpeed, as one rank under torchrun / srun / deepspeed, or
+starting the ranks of this machine itself (--nproc N: training/launcher.py)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import sys
+import warnings
+
+from ..allocator import keep_freed_memory
+from ..config import load_config
+from ..training.launcher import check_devices, check_host, check_nproc, launch, stopped_exit_status
+from .options import add_config_args
+
+# Run after main() returns, just before the process exits (see cli.entry()).
+TEARDOWN: list = []
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", help="train with DeepSpeed (--nproc N starts N ranks here; or torchrun / srun / "
+                                     "deepspeed)", allow_abbrev=False)
+    add_config_args(t)
+    t.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="start N ranks on this machine (one per GPU; CPU processes on CPU) with one-line errors "
+                        "and the ranks' exit status; leave out under torchrun / srun")
+    t.set_defaults(func=run)
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def run(args) -> int:
+    # SIGTERM / SIGUSR1 during the minutes of imports and setup must not kill the rank (their
+    # default action): note them, and the trainer stops at its first step boundary
+    early_stop = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: early_stop.append(signum))
+    keep_freed_memory()   # glibc keeps freed blocks: ~1.5x on CPU steps (allocator.py)
+    if args.nproc is not None:
+        check_nproc(args.nproc)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
+    # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+    if args.nproc is not None:   # start the ranks of this machine (training/launcher.py)
+        from ..training.layout import training_layout  # torch: not at import (cli.py)
+        check_devices(args.nproc)
+        said = io.StringIO()   # its warnings: rank 0 says them, or this process before its error
+        try:
+            with contextlib.redirect_stderr(said):
+                cfg = load_config(args.config, args.overrides)   # errors: once, before any rank starts
+                layout = training_layout(cfg, args.nproc)   # as is a layout the ranks cannot hold
+                check_host(cfg, layout, args.nproc)   # and, on CPU, more memory than the host has
+        except BaseException:
+            sys.stderr.write(said.getvalue())
+            raise
+        debug = "--debug" in sys.argv[1:]
+        return launch(args.nproc, [*(a for c in args.config for a in ("--config", c)), *args.overrides], debug,
+                      early=early_stop)
+    cfg = load_config(args.config, args.overrides)   # config errors first, before heavy imports
+    # torch and DeepSpeed: not at import (cli.py)
+    import torch.distributed as dist
+
+    from ..training.distributed import init_distributed_from_env
+    from ..training.engine import Trainer
+    init_distributed_from_env(cfg.train.collective_timeout_minutes)
+    # from here on the process ends by os._exit, an error too (a refused config after the
+    # process group started aborted at teardown now and then: exit -6 instead of 2; see cli.entry)
+    TEARDOWN.append(lambda: None)
+    trainer, status = None, 0
+    t = cfg.train
+    try:
+        trainer = Trainer(cfg, skip_finished=True)   # a finished run is not built again
+        trainer.stop_requested = early_stop[0] if early_stop else False
+        trainer.train()
+        iters = trainer.layout.train_iters
+        if trainer.step < iters and trainer.stop_signal:
+            status = stopped_exit_status()
+            if dist.get_rank() == 0:
+                name = signal.Signals(trainer.stop_signal).name
+                if not t.save or trainer.step == 0:
+                    why = "train.save unset" if not t.save else "no step was trained"
+                    saved = f"nothing saved ({why}): a rerun starts from step 1"
+                else:
+                    saved = (f"checkpoint {trainer._last_checkpoint()}; resume with the same command and "
+                             f"train.load={t.save}")
+                print(f"stopped at step {trainer.step:,} of {iters:,} ({name}): {saved} (exit {status})",
+                      file=sys.stderr, flush=True)
+        elif dist.get_rank() == 0 and trainer.finished_at is None:   # (else "already finished at ...")
+            print(f"finished at step {trainer.step}; checkpoint: {t.save or 'not saved (train.save unset)'}; "
+                  f"TensorBoard: {t.tensorboard_dir or 'off (train.tensorboard_dir unset)'}",
+                  file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        # Ctrl-C stops at once (no save, as in Megatron); say what is on disk, not only "interrupted"
+        if dist.get_rank() == 0:
+            where = (f"at step {trainer.step:,} of {trainer.layout.train_iters:,}; last checkpoint: "
+                     f"{trainer._last_checkpoint()}" if trainer is not None else
+                     "before training started: nothing was saved")
+            print(f"megatron-id: interrupted (SIGINT) {where}", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if trainer is not None:
+            trainer.close()
+    # every rank reaches the end before any exits; then cli.entry() ends the process without the
+    # interpreter's teardown of the process group and DeepSpeed (see cli.entry)
+    TEARDOWN.append(dist.barrier)
+    return status
