@@ -563,6 +563,8 @@ def resolve(cfg: Config, given=None) -> Config:
         ("d_model", m.d_model > 0 and m.d_model % m.n_heads == 0,
          f"must be a positive multiple of model.n_heads={m.n_heads}"),
         ("n_heads", m.n_heads > 0, "must be positive"),
+        ("n_kv_heads", m.n_kv_heads is None or (m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads == 0),
+         f"must divide model.n_heads={m.n_heads} (each key/value head serves n_heads / n_kv_heads query heads)"),
         ("n_layers", m.n_layers > 0, "must be positive"),
         ("vocab_size", m.vocab_size > 0, "must be positive"),
         ("state_size", m.state_size > 0, "must be positive"),
@@ -580,6 +582,7 @@ def resolve(cfg: Config, given=None) -> Config:
     for key, ok, why in checks:
         if not ok:
             raise ConfigError(f"model.{key}={getattr(m, key)} is invalid: it {why}.")
+    _check_attention_switches(m)
     _check_ranges(cfg)
     p = cfg.parallel
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -630,6 +633,23 @@ def _resolve_pattern(m: ModelConfig, given) -> None:
     if "W" not in letters and m.window is not None:
         raise ConfigError(f"model.window={m.window} is the window of W layers, and {where} has none: remove "
                           f"model.window or use W in the pattern.")
+
+
+def _check_attention_switches(m: ModelConfig) -> None:
+    """model.n_kv_heads and model.qkv_bias shape softmax attention layers (A, W) only; in a
+    hybrid its other layers ignore them (as W's model.window), and a model without a softmax
+    layer refuses a value that would change nothing."""
+    letters = m.layer_pattern.replace("|", "") if m.layer_pattern else next(iter(MIXER_SPECS[m.mixer].letters), "")
+    if any(LETTER_MIXERS[c] == Mixer.softmax.value for c in letters):
+        return
+    given = [f"model.{key}={value}" for key, value, default in (
+        ("n_kv_heads", m.n_kv_heads, (None, m.n_heads)), ("qkv_bias", str(m.qkv_bias).lower(), ("false",)))
+        if value not in default]
+    if given:
+        raise ConfigError(f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} softmax attention layers "
+                          f"(grouped-query attention, q/k/v biases), and this model (model.mixer={m.mixer.value}) "
+                          f"has none: remove {' and '.join(g.split('=')[0] for g in given)}, or use "
+                          f"model.mixer=softmax (or A / W layers in model.layer_pattern).")
 
 
 def _check_ranges(cfg: Config) -> None:

@@ -42,6 +42,8 @@ PEER_FLAGS = {
     "model.d_model": ("--hidden-size", "hidden_size"),
     "model.n_layers": ("--num-layers", "num_layers"),
     "model.n_heads": ("--num-attention-heads", "num_attention_heads"),
+    "model.n_kv_heads": ("--num-query-groups (with --group-query-attention)", "num_kv_heads"),
+    "model.qkv_bias": ("--add-qkv-bias", "-"),
     "model.seq_length": ("--seq-length", "seq_length"),
     "model.ffn_hidden": ("--ffn-hidden-size", "intermediate_size"),
     "model.ffn_multiple_of": ("-", "mlp_multiple_of"),

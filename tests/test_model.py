@@ -48,6 +48,7 @@ def test_runs_at_four_times_its_context(tiny_config, mixer):
 
 
 @pytest.mark.parametrize("mixer,extra", [("interdomain", []), ("s4d", []), ("softmax", []),
+                                         ("softmax", ["model.n_kv_heads=1", "model.qkv_bias=true"]),   # GQA
                                          ("interdomain", ["model.output_gate=true", "model.readout=plain"]),
                                          ("interdomain", ["model.query_readout=false"]),
                                          ("interdomain", ["model.dual_kv_input=false"])])

@@ -83,6 +83,8 @@ def test_layouts_that_cannot_work_are_refused_up_front():
         check_layout(tiny(), 8, tensor=8, pipe=1, zero_stage=0)
     with pytest.raises(LayoutError, match="model.vocab_size=502 is not divisible by tensor parallel size 4"):
         check_model_split(tiny("model.vocab_size=502", "model.make_vocab_size_divisible_by=0"), 4)
+    with pytest.raises(LayoutError, match="model.n_kv_heads=2 is not divisible by tensor parallel size 4"):
+        check_model_split(tiny("model.mixer=softmax", "model.n_kv_heads=2"), 4)
     with pytest.raises(LayoutError, match="SwiGLU hidden size 250"):
         check_model_split(tiny("model.ffn_hidden=250"), 4)
     with pytest.raises(LayoutError, match="model.n_layers=2 cannot be divided into .*=4"):
@@ -104,7 +106,9 @@ def test_vocabulary_padding_rule():
 # ---------------------------------------------------------------- split / merge
 
 MIXER_CASES = [["model.mixer=interdomain"], ["model.mixer=s4d"], ["model.mixer=softmax"],
-               ["model.query_readout=false"], ["model.dual_kv_input=false"], ["model.output_gate=true"]]
+               ["model.query_readout=false"], ["model.dual_kv_input=false"], ["model.output_gate=true"],
+               # grouped-query attention (4 kv heads for 8 query heads) with q/k/v biases
+               ["model.mixer=softmax", "model.n_heads=8", "model.n_kv_heads=4", "model.qkv_bias=true"]]
 
 
 @pytest.mark.parametrize("overrides", MIXER_CASES, ids=lambda o: "-".join(x.split("=")[-1] for x in o))
@@ -248,8 +252,9 @@ MODEL_CASES = {
     "no_query_readout": ["model.query_readout=false"], "single_input": ["model.dual_kv_input=false"],
     "no_rope": ["model.rope=false"], "plain_gate": ["model.readout=plain", "model.output_gate=true"],
     "s4d_rope": ["model.mixer=s4d", "model.rope=true"], "tied": ["model.tie_embeddings=true"],
+    "softmax_gqa_bias": ["model.mixer=softmax", "model.n_heads=8", "model.n_kv_heads=4", "model.qkv_bias=true"],
 }
-SP_CASES = ["interdomain", "s4d", "softmax", "no_query_readout", "tied"]
+SP_CASES = ["interdomain", "s4d", "softmax", "no_query_readout", "tied", "softmax_gqa_bias"]
 SEQ = 20   # not a multiple of the chunk (8); divisible by TP for sequence parallelism
 
 

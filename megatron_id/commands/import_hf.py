@@ -1,13 +1,17 @@
-"""`megatron-id import-hf`: an exported folder -> a training checkpoint at any TP/PP."""
+"""`megatron-id import-hf`: an exported folder, or a pretrained Llama / Qwen2 / Mistral
+transformers folder (as a softmax model: hf/llama.py), -> a training checkpoint at any TP/PP."""
 from __future__ import annotations
 
 from .options import MISMATCH_HELP, add_verify_arg
 
 
 def add_parser(sub) -> None:
-    i = sub.add_parser("import-hf", help="an exported folder -> a training checkpoint at any TP/PP",
-                       allow_abbrev=False)
-    i.add_argument("--input", required=True)
+    i = sub.add_parser("import-hf", help="an exported folder, or a pretrained Llama / Qwen2 / Mistral "
+                       "transformers folder, -> a training checkpoint at any TP/PP", allow_abbrev=False)
+    i.add_argument("--input", "--checkpoint", dest="input", required=True,
+                   help="a folder written by megatron-id export-hf, or a transformers folder (save_pretrained) "
+                        "whose config.json names LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM: "
+                        "imported as model.mixer=softmax")
     i.add_argument("--output", required=True,
                    help="a new or empty folder (a non-empty one is refused: see --overwrite)")
     i.add_argument("--overwrite", action="store_true",
@@ -26,5 +30,21 @@ def run(args) -> int:
                     overwrite=args.overwrite, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
                     verify=args.verify)
     print(f"imported {args.input} -> {out} (TP={args.tensor_parallel}, PP={args.pipeline_parallel}; "
-          f"weights only: train with train.load={out})")
+          f"weights only: train with train.load={out} and its model: {model_overrides(out)})")
     return 0
+
+
+def model_overrides(checkpoint) -> str:
+    """The model.* overrides that give a training config the model of the import `checkpoint`
+    (its recorded model config where it differs from the schema's defaults)."""
+    # torch: not at import (cli.py)
+    from ..checkpoint.files import model_config_dict, read_client_state
+    from ..checkpoint.read import checkpoint_folder
+    from ..model.spec import ModelConfig
+
+    def said(value) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    defaults = model_config_dict(ModelConfig())
+    model = read_client_state(checkpoint_folder(checkpoint)).model
+    return " ".join(f"model.{key}={said(value)}" for key, value in model.items()
+                    if key != "core_impl" and value != defaults.get(key))

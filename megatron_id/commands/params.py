@@ -25,7 +25,9 @@ def run(args) -> int:
         print(json.dumps(asdict(r)))
         return 0
     m = cfg.model
-    print(f"mixer={m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} "
+    attention = (f" n_kv_heads={m.n_kv_heads}" if m.n_kv_heads not in (None, m.n_heads) else "") + \
+        (" qkv_bias=True" if m.qkv_bias else "")   # said only when set (softmax layers)
+    print(f"mixer={m.mixer.value} d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads}{attention} "
           f"state_size={m.state_size} query_readout={m.query_readout} "
           f"dual_kv_input={m.dual_kv_input} rope={m.rope} seq_length={m.seq_length}")
     if is_hybrid(m) or m.layer_pattern:

@@ -7,7 +7,9 @@ megatron_id_model.py (the training model code, bundled), model.safetensors (TP=1
 padding removed, keys `model.<training name>`), the tokenizer files and generation_config.json.
 
 import_hf: such a folder -> a training checkpoint at any TP/PP, holding weights only (the
-trainer loads it at any layout and starts the optimizer fresh).
+trainer loads it at any layout and starts the optimizer fresh). It also reads a pretrained
+transformers folder of a Llama-style architecture (LlamaForCausalLM, Qwen2ForCausalLM,
+MistralForCausalLM) as the softmax model: hf/llama.py maps its config and reads its weights.
 
 Outputs are never destroyed by mistake. A new or empty `output` is written. A non-empty one is
 refused, unless `overwrite` is given and it holds only an earlier output of the same command
@@ -67,6 +69,13 @@ from ..model.spec import ffn_hidden_size
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
 from .bundle import bundle_source
+from .llama import (
+    ARCHITECTURES,
+    TransformersWeights,
+    UnsupportedModelError,
+    transformers_config,
+    transformers_model_config,
+)
 
 HERE = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megatron_id.py", "modeling_megatron_id.py")
@@ -104,6 +113,10 @@ def read_export_config(folder):
         raise NotAnExportError(f"{path} is not valid JSON ({err}). {fix}") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type != "megatron_id":
+        pretrained = transformers_config(folder)
+        if pretrained is not None and set(pretrained.get("architectures") or []) & set(ARCHITECTURES):
+            fix = (f"It is a pretrained {'/'.join(pretrained['architectures'])} folder: megatron-id import-hf reads "
+                   f"it into a training checkpoint (then export-hf makes an export of it).")
         raise NotAnExportError(f"{path} has model_type {model_type!r}, not 'megatron_id': {folder} is not an "
                                f"export of this project. {fix}")
     if not isinstance(config.get("model"), dict):
@@ -458,31 +471,52 @@ def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
 
 def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int = 1,
               overwrite: bool = False, allow_tokenizer_mismatch: bool = False, verify: str = "sample") -> Path:
-    """An exported folder -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP (see
-    the module doc for when an existing `output` is replaced). Every check runs before anything
-    is written."""
+    """An exported folder, or a pretrained transformers folder of a Llama-style architecture
+    (hf/llama.py: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, as a softmax model)
+    -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP (see the module doc for when
+    an existing `output` is replaced). Every check runs before anything is written."""
     _positive("--tensor-parallel", tensor_parallel, "the tensor parallel size of the checkpoint to write")
     _positive("--pipeline-parallel", pipeline_parallel, "the pipeline parallel size of the checkpoint to write")
     folder, output = Path(folder), Path(output).resolve()
-    _, cfg = read_export_config(folder)
+    pretrained = transformers_config(folder)
+    if pretrained is not None:
+        cfg = transformers_model_config(folder, pretrained)   # what the model cannot express: refused here
+    else:
+        _, cfg = read_export_config(folder)
     _check_tensor_parallel(cfg, tensor_parallel, folder)
-    refuse_output_inside(output, folder.resolve(), "the export being imported", "checkpoints")
+    refuse_output_inside(output, folder.resolve(), "the export being imported" if pretrained is None
+                         else "the folder being imported", "checkpoints")
     check_output(output, overwrite, "import", why_not_an_import)
     # the checkpoint records the identity of the tokenizer shipped with the weights, after
-    # checking it is the one the export recorded (a tokenizer.json swapped in by hand is not)
+    # checking it is the one the export recorded (a tokenizer.json swapped in by hand is not);
+    # a transformers folder records none: its tokenizer.json is taken as the weights' own
     tokenizer = (folder / "tokenizer.json").resolve()
-    recorded = json.loads((folder / "config.json").read_text()).get(TOKENIZER_ID_KEY)
+    if pretrained is not None and not tokenizer.is_file():
+        raise UnsupportedModelError(
+            f"{folder} has no tokenizer.json (the fast tokenizer file transformers writes): the checkpoint records "
+            f"the tokenizer its ids mean. Save it there with AutoTokenizer.from_pretrained(...).save_pretrained("
+            f"'{folder}'), then import again; nothing was written.")
+    recorded = None if pretrained is not None else \
+        json.loads((folder / "config.json").read_text()).get(TOKENIZER_ID_KEY)
     tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(find_tokenizer(None, str(tokenizer), folder))),
                                              tokenizer, cfg.vocab_size, recorded, folder,
                                              allow=allow_tokenizer_mismatch, recorded_path=tokenizer)
-    _, cfg, full = read_hf_folder(folder, verify)
-    shards = split_state_dict(full, cfg, tensor_parallel)
     layout = {"tensor": tensor_parallel, "pipe": pipeline_parallel, "data": 1, "zero_stage": 0}
     client = ClientState(step=0, layout=layout, model=model_config_dict(cfg), weights_only=True,
                          tokenizer=str(tokenizer), tokenizer_id=tokenizer_id)
+    if pretrained is not None:
+        # memory-mapped: each TP rank's slices are read, written and dropped before the next
+        # rank's (the import holds one rank's share of the model, in float32)
+        weights = TransformersWeights(folder)
+        sources = weights.sources(cfg)   # names and shapes from the headers, before any weight is read
+        shards = (weights.local_shard(sources, cfg, tensor_parallel, rank) for rank in range(tensor_parallel))
+        needed = weights.nbytes(sources, cfg, tensor_parallel) + (1 << 20)
+    else:
+        _, cfg, full = read_hf_folder(folder, verify)
+        shards = split_state_dict(full, cfg, tensor_parallel)
+        needed = sum(t.numel() * t.element_size() for shard in shards for t in shard.values()) + (1 << 20)
 
     def build(staging: Path) -> None:
         write_weights_only(staging, shards, cfg, pipeline_parallel, client)
 
-    needed = sum(t.numel() * t.element_size() for shard in shards for t in shard.values()) + (1 << 20)
     return write_folder(output, build, needed, f"the import of {folder}")

@@ -12,7 +12,8 @@ count multiply-adds as 2 FLOPs, per token, for the forward pass, and training = 
   the multiply-adds the chunked form executes (chunk T = chunk_size, including the masked upper
   triangles of its T x T blocks; complex x real counts 2 real multiply-adds, complex x complex 4).
 - hybrids (model.layer_pattern): each layer counted as its own mixer.
-- the decode state: each mixer's decode_state_numbers (fixed, per token of context).
+- the decode state: each mixer's decode_state_numbers (fixed, per token of context); a softmax
+  layer's KV cache is 2 n_kv_heads d_h numbers per token (2 d without grouped-query attention).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .language_model import LanguageModel
 from .layers import Linear, ShortConv
 from .mixers import MIXERS, InterdomainMixer, build_mixer
 from .pattern import layer_config, layer_letters, layer_mixer
-from .spec import ModelConfig, ffn_hidden_size
+from .spec import ModelConfig, ffn_hidden_size, kv_heads
 
 
 @dataclass
@@ -94,7 +95,7 @@ def report(cfg: ModelConfig) -> ModelReport:
         fixed, per_token = fixed + layer_fixed, per_token + layer_per_token
     # the two per-layer figures `megatron-id params` prints
     state = InterdomainMixer.decode_state_numbers(cfg)[0] if set(letters) & set("IS") else None
-    kv = 2 * d if set(letters) & set("AW") else None
+    kv = 2 * kv_heads(cfg) * (d // cfg.n_heads) if set(letters) & set("AW") else None   # 2 d without GQA
     return ModelReport(n_params, n_params - n_embed, state, kv, flops, 3 * flops,
                        fixed_state=fixed, decode_state_per_token=per_token,
                        layer_pattern=letters)

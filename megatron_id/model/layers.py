@@ -25,19 +25,22 @@ except Exception:  # ImportError, or apex built without its CUDA extensions
 
 
 class NormalInit:
-    """Mixin for modules whose weight starts as N(0, self.init_std)."""
+    """Mixin for modules whose weight starts as N(0, self.init_std) (and a bias, if any, at zero)."""
 
     def initial_value(self, name, shape, generator):
+        if name == "bias":
+            return torch.zeros(shape)
         return torch.randn(shape, generator=generator) * self.init_std
 
 
 class Linear(NormalInit, nn.Linear):
-    """nn.Linear without bias and with a declared N(0, init_std) initialisation."""
+    """nn.Linear with a declared N(0, init_std) weight; without bias unless asked (bias=True:
+    zero at init, no weight decay, cut with the output features under column parallelism)."""
 
-    PARAMETER_ROLES = {"weight": DECAY}   # the split: the owner's choice
+    PARAMETER_ROLES = {"weight": DECAY, "bias": NO_DECAY}   # the split: the owner's choice
 
-    def __init__(self, d_in: int, d_out: int, init_std: float):
-        super().__init__(d_in, d_out, bias=False)
+    def __init__(self, d_in: int, d_out: int, init_std: float, bias: bool = False):
+        super().__init__(d_in, d_out, bias=bias)
         self.init_std = init_std
 
 

@@ -125,6 +125,11 @@ class ModelConfig:
     d_model: int = 768                # width of the residual stream
     n_layers: int = 12                # blocks (mixer + SwiGLU), pre-norm
     n_heads: int = 12                 # heads of every mixer; head width d_model / n_heads
+    # grouped-query attention (softmax layers, A and W): key/value heads, each shared by
+    # n_heads / n_kv_heads query heads (query head i reads kv head i // (n_heads / n_kv_heads),
+    # HF's repeat_kv); the KV cache keeps these only. Megatron's --num-query-groups, HF's
+    # num_key_value_heads. None: n_heads (multi-head attention)
+    n_kv_heads: Optional[int] = None
     seq_length: int = 4096            # training context; the model itself has no length limit
     ffn_hidden: Optional[int] = None  # None: ceil((8 d / 3) / ffn_multiple_of) * ffn_multiple_of
     ffn_multiple_of: int = 128        # the SwiGLU hidden width is rounded up to a multiple of it
@@ -146,6 +151,8 @@ class ModelConfig:
     rope: Optional[bool] = None       # RoPE on queries and keys
     readout: Readout = Readout.hermitian   # how complex key and value coefficients meet
     output_gate: bool = False         # o <- o * SiLU(x W_g) before W_O (off in the paper)
+    # biases on the q, k and v projections of softmax layers (Qwen2's; W_O has none), zero at init
+    qkv_bias: bool = False
     # the LM head reuses the input embedding matrix [our choice: off, as in the paper's counts]
     tie_embeddings: bool = False
     # tensor parallelism pads the vocabulary to a multiple of this x TP (Megatron's rule); the
@@ -157,6 +164,11 @@ def ffn_hidden_size(m: ModelConfig) -> int:
     if m.ffn_hidden is not None:
         return m.ffn_hidden
     return math.ceil((8 * m.d_model / 3) / m.ffn_multiple_of) * m.ffn_multiple_of
+
+
+def kv_heads(m: ModelConfig) -> int:
+    """The key/value heads of a softmax layer: model.n_kv_heads, or n_heads when unset."""
+    return m.n_heads if m.n_kv_heads is None else m.n_kv_heads
 
 
 def model_config_from_values(values: dict) -> ModelConfig:

@@ -5,7 +5,7 @@ owner's `tp_partitions`, which survives moving the module between devices, and i
 `tensor_model_parallel` / `partition_dim` parameter attributes that DeepSpeed reads), so
 initialisation can draw the full tensor and keep its slice.
 
-    ColumnParallelLinear   weight rows (output features) split; input copied in
+    ColumnParallelLinear   weight rows (output features) split, and the bias if any; input copied in
     RowParallelLinear      weight columns (input features) split; output all-reduced
     VocabParallelEmbedding vocabulary rows split; out-of-range ids masked; output all-reduced
     vocab_parallel_cross_entropy  the loss over vocabulary-sharded logits
@@ -83,11 +83,14 @@ class ColumnParallelLinear(NormalInit, nn.Module):
         self.init_std = full.init_std
         self.weight = full.weight
         shard_parameter(self, "weight", 0, group, padded_out)
+        self.bias = full.bias   # None, or cut with the output features (its rows of the weight)
+        if self.bias is not None:
+            shard_parameter(self, "bias", 0, group, padded_out)
 
     def forward(self, x):
         if not self.sequence_parallel:   # SP: the input was all-gathered, whose backward reduces
             x = mappings.copy_to_region(x, self.group)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(NormalInit, nn.Module):
@@ -97,6 +100,10 @@ class RowParallelLinear(NormalInit, nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.init_std = full.init_std
+        if full.bias is not None:   # it would be added once after the sum, replicated: not declared so
+            raise ValueError("a row-parallel Linear with a bias is not supported (its bias would be replicated "
+                             "and added after the sum over ranks); declare the bias-free output projection "
+                             "row-parallel, or the layer column-parallel.")
         self.weight = full.weight
         shard_parameter(self, "weight", 1, group)
 

@@ -3,8 +3,9 @@ stage z? Every problem is a LayoutError (a ConfigError: one line with the values
 raised before any process group or model exists.
 
     check_sizes        world size = TP x PP x DP                    (process groups, state.py)
-    check_model_split  heads, SwiGLU and vocabulary over TP; layers over PP (stage_layers:
-                       which blocks each stage holds, hybrids balanced by cost)
+    check_model_split  heads (and key/value heads), SwiGLU and vocabulary over TP; layers
+                       over PP (stage_layers: which blocks each stage holds, hybrids
+                       balanced by cost)
                                                                      (parallelize, checkpoints,
                                                                       import-hf, convert-checkpoint)
     check_zero         ZeRO stage against pipelining
@@ -54,6 +55,11 @@ def check_model_split(cfg: ModelConfig, tensor: int, pipe: int = 1) -> None:
     if cfg.n_heads % tensor:
         problems.append(f"model.n_heads={cfg.n_heads} is not divisible by tensor parallel size {tensor} "
                         f"(each rank keeps whole heads); use a TP size that divides {cfg.n_heads}")
+    elif cfg.n_kv_heads is not None and cfg.n_kv_heads % tensor:
+        problems.append(f"model.n_kv_heads={cfg.n_kv_heads} is not divisible by tensor parallel size {tensor} "
+                        f"(each rank keeps whole key/value heads, with the query heads that read them); use a "
+                        f"TP size that divides {cfg.n_kv_heads}, or more key/value heads (a multiple of {tensor} "
+                        f"that divides model.n_heads={cfg.n_heads})")
     if ffn_hidden_size(cfg) % tensor:
         problems.append(f"the SwiGLU hidden size {ffn_hidden_size(cfg)} is not divisible by tensor "
                         f"parallel size {tensor}; set model.ffn_hidden to a multiple of {tensor}")

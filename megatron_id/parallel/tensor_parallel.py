@@ -13,7 +13,9 @@ What the declarations say, per mixer (H heads, each rank keeps H / TP contiguous
                       k_norm, v_norm: replicated, shared by all heads, grads summed over TP
                       o_proj: row-parallel (its 2d-wide input for the linear contraction
                       readout is [Re c.U, Re c.Gamma] per head, so heads stay contiguous)
-  softmax             q, k, v column-parallel; o_proj row-parallel
+  softmax             q, k, v column-parallel (their biases, model.qkv_bias, with their rows);
+                      o_proj row-parallel. With GQA (model.n_kv_heads) a rank's H / TP query
+                      heads read exactly its n_kv_heads / TP key/value heads (kv head i // G)
   SwiGLU              w1, w3 column-parallel; w2 row-parallel
   embed / lm_head     vocabulary rows, padded to a multiple of make_vocab_size_divisible_by x TP
 Sequence parallelism (optional): norms and residuals work on sequence shards; the input of
@@ -82,6 +84,7 @@ def _roles_of_any_config() -> dict[str, Role]:
         # every other mixer module once (softmax, and any added one: docs/adding-a-mixer.md)
         variants += [ModelConfig(mixer=Mixer(kind), **small) for kind, module in MIXERS.items()
                      if module is not InterdomainMixer]
+        variants.append(ModelConfig(mixer=Mixer.softmax, qkv_bias=True, n_kv_heads=1, **small))   # + q/k/v biases
         union: dict[str, Role] = {}
         for cfg in variants:
             for name, role in roles_of(cfg).items():
@@ -178,22 +181,26 @@ def parallelize(model: nn.Module, group, *, sequence_parallel: bool = False) -> 
     sp = sequence_parallel
     roles = parameter_roles(model)
     # decide everything first, so that a declaration parallelize cannot follow changes nothing
-    replacements, head_slices = [], []
+    replacements, head_slices = {}, []
     for module_name, module in model.named_modules():
         for name, _ in module.named_parameters(recurse=False):
             full_name = f"{module_name}.{name}" if module_name else name
             split = roles[full_name].split
             if isinstance(module, LAYER_KINDS):
                 cls = _parallel_class(module, full_name, split, sp)
-                if cls is not None:
-                    replacements.append((module_name, cls, split))
+                # a layer is replaced once, for all its parameters (a Linear's weight and bias)
+                if replacements.setdefault(module_name, (cls, split)) != (cls, split):
+                    raise ValueError(f"'{full_name}' is declared {split.value if split else 'without a split'} "
+                                     f"but the other parameters of its layer otherwise: a layer is cut one way.")
             elif split is Split.HEADS:
                 head_slices.append((module, name))
             elif split is not Split.REPLICATED:
                 raise ValueError(f"'{full_name}' is declared {split.value if split else 'without a split'}; "
                                  f"outside a Linear, Embedding or RMSNorm a parameter can only be "
                                  f"{Split.HEADS.value} or {Split.REPLICATED.value}.")
-    for module_name, cls, split in replacements:
+    for module_name, (cls, split) in replacements.items():
+        if cls is None:
+            continue
         parent_name, _, name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, name, _make_parallel(cls, getattr(parent, name), split, group, vocab, sp))

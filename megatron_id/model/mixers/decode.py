@@ -156,19 +156,26 @@ class AttentionStatic:
     Dh: int
     rope: bool
     window: int | None      # the most keys a query sees (the ring's length); None: all
+    groups: int = 1         # query heads per key/value head (grouped-query attention; 1: none)
 
 
 def attention_step(x, rope, t: dict, s: AttentionStatic, positions, lengths: list[int]):
     """Softmax attention for one token of every slot: x [B, d] (normalised) -> [B, d]; positions
     [B] (this token's); lengths: tokens each row holds after this one (host ints: no device sync
-    per step). The KV cache t["k"], t["v"] [B, H, capacity, Dh] is a ring (the window for W
+    per step). The KV cache t["k"], t["v"] [B, Hkv, capacity, Dh] is a ring (the window for W
     layers): attention does not care about the order of its keys, and RoPE is applied before
-    they are cached."""
+    they are cached. t["w_in"] is [q | k | v] (t["b_in"] its bias, if any). Grouped-query
+    attention (s.groups = G > 1): the G query heads of a key/value head are consecutive, so they
+    attend as G queries of one head ([B, Hkv, G, Dh] against its keys), nothing repeated."""
     B = x.shape[0]
     k_cache, v_cache = t["k"], t["v"]
     capacity = k_cache.shape[2]
     seen = lengths if s.window is None else [min(m, s.window) for m in lengths]
-    q, k, v = (x @ t["w_in"].T).view(B, 3, -1, s.Dh).unbind(1)                  # [B, H, Dh]
+    y = x @ t["w_in"].T if "b_in" not in t else torch.addmm(t["b_in"], x, t["w_in"].T)
+    if s.groups == 1:
+        q, k, v = y.view(B, 3, -1, s.Dh).unbind(1)                               # [B, H, Dh]
+    else:
+        q, k, v = y.view(B, -1, s.Dh).split([s.groups * k_cache.shape[1], k_cache.shape[1], k_cache.shape[1]], 1)
     if s.rope:
         q, k = rope_rows(q, *rope), rope_rows(k, *rope)
     where = positions % capacity
@@ -180,5 +187,6 @@ def attention_step(x, rope, t: dict, s: AttentionStatic, positions, lengths: lis
     if min(seen) != L:
         mask = (torch.arange(L, device=x.device)[None, :] < torch.tensor(seen, device=x.device)[:, None])
         mask = mask[:, None, None, :]
-    o = F.scaled_dot_product_attention(q[:, :, None], k_cache[:B, :, :L], v_cache[:B, :, :L], attn_mask=mask)
+    queries = q[:, :, None] if s.groups == 1 else q.reshape(B, -1, s.groups, s.Dh)   # [B, Hkv, G, Dh]
+    o = F.scaled_dot_product_attention(queries, k_cache[:B, :, :L], v_cache[:B, :, :L], attn_mask=mask)
     return o.reshape(B, -1) @ t["o_proj"].T

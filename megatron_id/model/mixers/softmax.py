@@ -1,6 +1,14 @@
-"""Softmax baseline: causal multi-head attention with RoPE; no GQA. With model.window (the W
-layers of a hybrid, model/pattern.py) each query sees itself and the window - 1 tokens before
-it, and the KV cache keeps only those: a constant-size state once full.
+"""Softmax baseline: causal multi-head attention with RoPE. With model.window (the W layers of a
+hybrid, model/pattern.py) each query sees itself and the window - 1 tokens before it, and the
+KV cache keeps only those: a constant-size state once full.
+
+Grouped-query attention (model.n_kv_heads, Llama's): k_proj and v_proj make n_kv_heads heads,
+each read by G = n_heads / n_kv_heads consecutive query heads (query head i reads kv head i // G,
+HF's repeat_kv); keys and values are cached at n_kv_heads and repeated (repeat_interleave) just
+before each attention call, so the cache is G times smaller. Without it (G = 1) nothing is
+repeated: the same ops as multi-head attention. Under TP a rank's n_heads / TP contiguous query
+heads read exactly its n_kv_heads / TP key/value heads (k_proj, v_proj are cut by output
+features like q_proj). model.qkv_bias (Qwen2's) adds biases to q, k and v (zero at init).
 
 Full sequences go through ops/attention.causal_attention: SDPA's causal kernel without packed
 documents or a window, else FlexAttention (CUDA) or the blockwise form (CPU), never a dense
@@ -16,29 +24,37 @@ from torch import nn
 from ...ops.attention import causal_attention, visible
 from ..layers import Linear, apply_rope, left_padding
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL
-from ..spec import mixer_module
+from ..spec import kv_heads, mixer_module
 from .decode import AttentionStatic, DecodeFacts, attention_step
+
+
+def repeat_kv(k: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
+    """Each key/value head repeated `groups` times in place along the heads' `dim` (kv head j
+    becomes heads j G .. j G + G - 1: HF's repeat_kv); groups 1 returns `k` itself."""
+    return k if groups == 1 else k.repeat_interleave(groups, dim=dim)
 
 
 @mixer_module("softmax")
 class SoftmaxAttention(nn.Module):
-    # (model/roles.py) under TP each rank keeps whole heads: q, k, v by output features
+    # (model/roles.py) under TP each rank keeps whole heads: q, k, v by output features (their
+    # biases with them), so a rank's query heads and the key/value heads they read stay together
     PARAMETER_ROLES = {"q_proj": COLUMN_PARALLEL, "k_proj": COLUMN_PARALLEL, "v_proj": COLUMN_PARALLEL,
                        "o_proj": ROW_PARALLEL}
 
     @staticmethod
     def core_macs_per_token(cfg, context: int) -> int:
         """QK^T and AV over the whole context seen, no causal discount (the PaLM/Megatron MFU
-        convention); a window caps the context."""
+        convention); a window caps the context. Every query head does them, so GQA (fewer
+        key/value heads) does not change them."""
         window = cfg.window
         return 2 * (context if window is None else min(context, window)) * cfg.d_model
 
     @staticmethod
     def decode_state_numbers(cfg) -> tuple[int, int]:
-        """(fixed, per token of context): the KV cache, 2 d per token; with a window, the full
-        window counted as fixed."""
-        window = cfg.window
-        return (0, 2 * cfg.d_model) if window is None else (2 * cfg.d_model * window, 0)
+        """(fixed, per token of context): the KV cache, 2 n_kv_heads d_h per token (2 d without
+        GQA); with a window, the full window counted as fixed."""
+        window, per_token = cfg.window, 2 * kv_heads(cfg) * (cfg.d_model // cfg.n_heads)
+        return (0, per_token) if window is None else (per_token * window, 0)
 
     def __init__(self, cfg, residual_std: float, form: str = "chunked"):
         """form: how recurrent mixers run full sequences; attention has one form (ignored)."""
@@ -46,13 +62,16 @@ class SoftmaxAttention(nn.Module):
         d = cfg.d_model
         self.head_dim, self.rope, self.rope_theta = d // cfg.n_heads, cfg.rope, cfg.rope_theta
         self.window = cfg.window   # None: every earlier token
-        self.q_proj, self.k_proj, self.v_proj = (Linear(d, d, cfg.init_std) for _ in range(3))
+        d_kv = kv_heads(cfg) * self.head_dim   # d without GQA
+        self.q_proj = Linear(d, d, cfg.init_std, bias=cfg.qkv_bias)
+        self.k_proj, self.v_proj = (Linear(d, d_kv, cfg.init_std, bias=cfg.qkv_bias) for _ in range(2))
         self.o_proj = Linear(d, d, residual_std)
         self.context_parallel = None   # parallel/context_parallel.py sets it: this rank runs one block
 
     def forward(self, x, state=None, return_state=False, start=None, seq_idx=None, position_ids=None):
-        """x [B, N, d]. state: the KV cache {'k', 'v': [B, L, H, Dh], 'pos': tokens seen} or None
-        (with a window, L <= window: the cache holds the last L of the 'pos' tokens seen).
+        """x [B, N, d]. state: the KV cache {'k', 'v': [B, L, Hkv, Dh], 'pos': tokens seen} or None
+        (with a window, L <= window: the cache holds the last L of the 'pos' tokens seen; Hkv:
+        the key/value heads, n_kv_heads, or n_heads without GQA).
         start [B] or None: left padding, each row's first real position: no query sees a padded
         key, and RoPE counts each row's positions from its first real token.
         seq_idx [B, N] (packed documents, data.reset_attention_mask): attention is causal within
@@ -73,7 +92,9 @@ class SoftmaxAttention(nn.Module):
             q, k = apply_rope(q, rope_offset, self.rope_theta), apply_rope(k, rope_offset, self.rope_theta)
         if state:
             k, v = torch.cat([state["k"], k], dim=1), torch.cat([state["v"], v], dim=1)
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        groups = q.shape[2] // k.shape[2]   # query heads per key/value head (1: no GQA)
+        qt = q.transpose(1, 2)
+        kt, vt = (repeat_kv(t, groups, 2).transpose(1, 2) for t in (k, v))   # [B, H, L, Dh]; the cache keeps Hkv
         if not state and start is None:   # a whole sequence (training, a first prefill)
             o = causal_attention(qt, kt, vt, seq_idx, self.window)
         else:   # continuing a cache, or left padding: the mask over the cached and new keys
@@ -105,21 +126,25 @@ class SoftmaxAttention(nn.Module):
                            rope=(self.head_dim, self.rope_theta) if self.rope else None)
 
     def decode_tables(self, real_update: bool = False) -> tuple[dict, AttentionStatic]:
-        """One input matrix [q | k | v] and W_O (real_update: only for fixed-size states)."""
-        t = {"w_in": torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach(),
-             "o_proj": self.o_proj.weight.detach()}
-        return t, AttentionStatic(self.head_dim, self.rope, self.window)
+        """One input matrix [q | k | v] (with GQA its k and v parts are n_kv_heads heads), its
+        bias with model.qkv_bias, and W_O (real_update: only for fixed-size states)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        t = {"w_in": torch.cat([p.weight for p in projections]).detach(), "o_proj": self.o_proj.weight.detach()}
+        if self.q_proj.bias is not None:
+            t["b_in"] = torch.cat([p.bias for p in projections]).detach()
+        kv_width = self.k_proj.weight.shape[0]   # this rank's key/value heads x Dh
+        return t, AttentionStatic(self.head_dim, self.rope, self.window, self.q_proj.weight.shape[0] // kv_width)
 
     def allocate_decode_state(self, n_slots: int, capacity: int | None = None, device=None) -> dict:
-        """K and V [n_slots, H, length, Dh], zeroed: length the window, or `capacity` (the most
-        tokens a sequence reaches) without one."""
-        weight = self.o_proj.weight
+        """K and V [n_slots, Hkv, length, Dh] (Hkv: the key/value heads), zeroed: length the
+        window, or `capacity` (the most tokens a sequence reaches) without one."""
+        weight = self.k_proj.weight
         if self.window is not None:
             capacity = self.window
         if capacity is None:
             raise ValueError("a softmax layer's KV cache needs a capacity: give the most tokens a "
                              "sequence reaches (prompt + new tokens).")
-        k = torch.zeros(n_slots, weight.shape[1] // self.head_dim, capacity, self.head_dim, dtype=weight.dtype,
+        k = torch.zeros(n_slots, weight.shape[0] // self.head_dim, capacity, self.head_dim, dtype=weight.dtype,
                         device=weight.device if device is None else device)
         return {"k": k, "v": torch.zeros_like(k)}
 
@@ -141,6 +166,7 @@ class SoftmaxAttention(nn.Module):
         B, L, _ = x.shape
         shape = (B, L, -1, self.head_dim)
         q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        groups = q.shape[2] // k.shape[2]   # (the key/value heads are gathered before they are repeated)
         if self.rope:
             offset = cp.rank * L if position_ids is None else position_ids
             q, k = apply_rope(q, offset, self.rope_theta), apply_rope(k, offset, self.rope_theta)
@@ -152,6 +178,7 @@ class SoftmaxAttention(nn.Module):
         if seq_idx is not None:
             docs = cp.gather(seq_idx)[:cp.rank + 1].transpose(0, 1).reshape(B, seen)
             mask = mask & (seq_idx[:, :, None] == docs[:, None, :])
+        k_all, v_all = repeat_kv(k_all, groups, 2), repeat_kv(v_all, groups, 2)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
                                            attn_mask=mask if mask.dim() == 2 else mask[:, None])
         return self.o_proj(o.transpose(1, 2).reshape(B, L, -1))

@@ -1,0 +1,321 @@
+"""Pretrained Llama-architecture transformers folders -> the softmax mixer's model (import-hf).
+
+A folder saved by transformers (`save_pretrained`) whose config.json names LlamaForCausalLM,
+Qwen2ForCausalLM or MistralForCausalLM is the decoder of model/language_model.py with
+model.mixer=softmax: RoPE in the half-split layout (model/layers.py apply_rope, HF's
+rotate_half), SwiGLU, RMSNorm in float32, grouped-query attention (model.n_kv_heads) and
+Qwen2's q/k/v biases (model.qkv_bias). `transformers_model_config` maps config.json to a
+ModelConfig and refuses, naming the config.json field, what this model cannot express (RoPE
+scaling, sliding windows, MLP or output-projection biases, another activation or head width),
+before any weight is read. `TransformersWeights` reads the safetensors files (one, or shards
+named by model.safetensors.index.json) memory-mapped, and gives each TP rank of the checkpoint
+to write only its own rows or columns, one rank at a time, in float32.
+
+Name mapping (HF -> ours):
+    model.embed_tokens.weight                       embed.weight
+    model.layers.{i}.input_layernorm.weight         layers.{i}.mixer_norm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.*     layers.{i}.mixer.{q,k,v,o}_proj.*
+    model.layers.{i}.post_attention_layernorm.weight  layers.{i}.ffn_norm.weight
+    model.layers.{i}.mlp.gate_proj / up_proj / down_proj .weight   layers.{i}.ffn.w1 / w3 / w2 .weight
+    model.norm.weight                               norm.weight
+    lm_head.weight                                  lm_head.weight (the embedding when tied)
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from omegaconf.errors import OmegaConfBaseException
+from safetensors import SafetensorError, safe_open
+
+from ..checkpoint.files import model_config_from_dict
+from ..checkpoint.read import local_slice
+from ..config import Config, ConfigError, resolve
+from ..errors import UserError
+from ..model.language_model import LanguageModel
+from ..model.spec import ModelConfig
+from ..parallel.tensor_parallel import Split, padded_vocab_size, parameter_role
+
+# config.json `architectures` -> its model_type; what import-hf reads besides our own exports
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+OURS = "MegatronIDForCausalLM"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_IN_LAYER = {"input_layernorm.weight": "mixer_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate_proj.weight": "ffn.w1.weight", "mlp.up_proj.weight": "ffn.w3.weight",
+             "mlp.down_proj.weight": "ffn.w2.weight"}
+_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+        "lm_head.weight": "lm_head.weight"}
+# buffers older transformers versions saved beside the weights: not parameters, recomputed here
+_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+class UnsupportedModelError(UserError, ValueError):
+    """A transformers folder whose model this project cannot express, or a damaged one."""
+
+
+def transformers_config(folder: Path) -> dict | None:
+    """folder/config.json when it is a transformers model's config (not one of our exports),
+    else None (missing, unreadable or ours: the export reader says what is wrong with it)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") == "megatron_id" or \
+            OURS in (config.get("architectures") or []) or isinstance(config.get("model"), dict):
+        return None   # ours (perhaps damaged: read_export_config names how)
+    return config
+
+
+def _accepted() -> str:
+    return ", ".join(ARCHITECTURES)
+
+
+def architecture(config: dict, path: Path) -> str:
+    """The one accepted architecture config.json names (by `architectures`, else `model_type`)."""
+    named = config.get("architectures") or []
+    if not isinstance(named, list):
+        named = [named]
+    found = [a for a in named if a in ARCHITECTURES]
+    if not named:
+        by_type = {t: a for a, t in ARCHITECTURES.items()}
+        if config.get("model_type") in by_type:
+            return by_type[config["model_type"]]
+    if len(found) == 1:
+        return found[0]
+    what = f"architectures {named}" if named else f"model_type {config.get('model_type')!r} and no architectures"
+    raise UnsupportedModelError(f"{path} names {what}: import-hf reads exports of megatron-id and the "
+                                f"transformers architectures {_accepted()} (Llama-style decoders); nothing was "
+                                f"written.")
+
+
+def transformers_model_config(folder: Path, config: dict) -> ModelConfig:
+    """config.json of a LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM folder -> the
+    softmax model's ModelConfig. Anything the model cannot express is refused with the field
+    named (UnsupportedModelError), before any weight is read.
+
+    max_position_embeddings becomes model.seq_length [our choice]: the context the model was
+    trained at is where continued training and lm-evaluation-harness windows start."""
+    path = Path(folder) / "config.json"
+    arch = architecture(config, path)
+    kind = ARCHITECTURES[arch]
+    nothing = "nothing was written"
+
+    def refuse(field: str, value, why: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{path}: {field}={json.dumps(value)} is not supported: {why}; {nothing}.")
+
+    def need(field: str, kind_=int):
+        value = config.get(field)
+        if not isinstance(value, kind_) or isinstance(value, bool) or value <= 0:
+            raise UnsupportedModelError(f"{path}: {field} is {json.dumps(value)}, expected a positive number "
+                                        f"({arch}'s config.json has one); {nothing}.")
+        return value
+
+    d, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
+    vocab, ffn = need("vocab_size"), need("intermediate_size")
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):   # one function (transformers' ACT2FN)
+        raise refuse("hidden_act", act, "the MLP here is SwiGLU, silu(gate_proj x) * up_proj x")
+    if config.get("mlp_bias"):
+        raise refuse("mlp_bias", config["mlp_bias"], "the SwiGLU here has no biases")
+    if d % heads:
+        raise refuse("hidden_size", d, f"it is not a multiple of num_attention_heads={heads}")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != d // heads:
+        raise refuse("head_dim", head_dim, f"heads here are hidden_size / num_attention_heads = {d // heads} wide")
+    # RoPE: rope_theta (transformers 4) or rope_parameters (5); no scaling of either kind
+    theta = config.get("rope_theta", 10000.0)
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = config.get(field)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise refuse(field, rope, "expected an object")
+        key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"   # (4.x wrote `type`)
+        rope_type = rope.get(key, "default")
+        if rope_type != "default":
+            raise refuse(f"{field}.{key}", rope_type, "RoPE here is plain (rope_type default): no scaling "
+                         "(linear, dynamic, yarn, longrope, llama3)")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise refuse(f"{field}.partial_rotary_factor", rope["partial_rotary_factor"],
+                         "RoPE here turns every dimension of a head")
+        theta = rope.get("rope_theta", theta)
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse("partial_rotary_factor", config["partial_rotary_factor"], "RoPE here turns every dimension")
+    # sliding windows (Mistral's sliding_window, Qwen2's use_sliding_window / layer_types)
+    if kind == "mistral" and config.get("sliding_window") is not None:
+        raise refuse("sliding_window", config["sliding_window"], "this import reads full causal attention only "
+                     "(a folder whose sliding_window is null)")
+    if kind == "qwen2" and config.get("use_sliding_window"):
+        raise refuse("use_sliding_window", True, "this import reads full causal attention only")
+    sliding = [t for t in config.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        raise refuse("layer_types", sorted(set(sliding)), "this import reads full causal attention only "
+                     "(every layer full_attention)")
+    # biases: Qwen2's q, k and v always; Llama's attention_bias puts one on o_proj too
+    # (Mistral's attention has no biases whatever the field says)
+    qkv_bias = kind == "qwen2"
+    if kind == "llama" and config.get("attention_bias"):
+        raise refuse("attention_bias", True, f"{arch} then has a bias on o_proj too, and the output projection "
+                     "here has none")
+    kv = config.get("num_key_value_heads") or heads
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        raise refuse("num_key_value_heads", kv, f"it must divide num_attention_heads={heads}")
+    values = dict(mixer="softmax", vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn,
+                  seq_length=config.get("max_position_embeddings") or ModelConfig.seq_length,
+                  norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope=True,
+                  tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+    std = config.get("initializer_range")
+    if isinstance(std, (int, float)) and not isinstance(std, bool) and std > 0:
+        values["init_std"] = float(std)   # how new parameters would start; the imported ones are read
+    if kv != heads:
+        values["n_kv_heads"] = kv   # grouped-query attention
+    if qkv_bias:
+        values["qkv_bias"] = True
+    try:
+        cfg = model_config_from_dict(values)
+        resolve(Config(model=cfg))
+    except (ConfigError, ValueError, TypeError, OmegaConfBaseException) as err:
+        raise UnsupportedModelError(f"{path} makes an invalid model config ({' '.join(str(err).split())}); "
+                                    f"{nothing}.") from None
+    return cfg
+
+
+def our_name(hf_name: str) -> str | None:
+    """The LanguageModel state-dict name of a transformers tensor (None: not one of ours)."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    match = _LAYER.match(hf_name)
+    if match is None:
+        return None
+    index, rest = match.groups()
+    if rest in _IN_LAYER:
+        return f"layers.{index}.{_IN_LAYER[rest]}"
+    attention = re.fullmatch(r"self_attn\.([qkvo])_proj\.(weight|bias)", rest)
+    if attention:
+        return f"layers.{index}.mixer.{attention[1]}_proj.{attention[2]}"
+    return None
+
+
+class TransformersWeights:
+    """The safetensors files of a transformers folder, memory-mapped: their headers are read at
+    construction (shapes, which file holds which tensor), a tensor's bytes only when a rank's
+    slice of it is taken."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        fix = "save the model again with transformers' save_pretrained (safetensors)"
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                files = json.loads(index.read_text())["weight_map"]
+                files = {str(k): str(v) for k, v in files.items()}
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+                raise UnsupportedModelError(f"{index} is not a safetensors index (no weight_map): {fix}; nothing "
+                                            f"was written.") from None
+        elif (self.folder / SINGLE).is_file():
+            files = None
+        else:
+            others = sorted(p.name for p in self.folder.glob("*.bin")) + sorted(p.name for p in
+                                                                               self.folder.glob("*.pth"))
+            also = f" (it has {', '.join(others[:3])}: pickled weights are not read)" if others else ""
+            raise UnsupportedModelError(f"{self.folder} has neither {SINGLE} nor {INDEX}{also}: {fix}; nothing "
+                                        f"was written.")
+        self.handles, self.where = {}, {}
+        names = sorted(set(files.values())) if files is not None else [SINGLE]
+        for name in names:
+            path = self.folder / name
+            if not path.is_file():
+                raise UnsupportedModelError(f"{path} is missing ({INDEX} names it): the folder is incomplete; "
+                                            f"nothing was written.")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise UnsupportedModelError(f"{path} is damaged ({err}): it was truncated or overwritten; "
+                                            f"nothing was written.") from None
+            self.handles[name] = handle
+            for key in handle.keys():
+                if files is None or files.get(key) == name:
+                    self.where[key] = name
+        if files is not None:
+            lost = sorted(set(files) - set(self.where))
+            if lost:
+                raise UnsupportedModelError(f"{INDEX} names {lost[0]} in {files[lost[0]]}, which does not hold it: "
+                                            f"the folder is damaged; nothing was written.")
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
+
+    def sources(self, cfg: ModelConfig) -> dict:
+        """{our name: the transformers tensor it is read from}, every name and shape checked
+        against the model `cfg` builds (read from the headers: no weight is read)."""
+        with torch.device("meta"):   # shapes only, no memory
+            expected = {k: tuple(v.shape) for k, v in LanguageModel(cfg, seed=None).state_dict().items()}
+        sources, unknown = {}, []
+        for key in self.where:
+            name = our_name(key)
+            if name is None:
+                if not _IGNORED.match(key):
+                    unknown.append(key)
+                continue
+            if name == "lm_head.weight" and cfg.tie_embeddings:
+                continue   # tied: the head is the embedding (a copy saved beside it is not read)
+            sources[name] = key
+        if cfg.tie_embeddings and "embed.weight" in sources:
+            sources["lm_head.weight"] = sources["embed.weight"]
+        where = f"the weights of {self.folder}"
+        fix = "it is not the model its config.json describes; nothing was written"
+        problems = [f"{k} has no counterpart here" for k in unknown]
+        problems += [f"{self._hf_name(k)} is missing" for k in sorted(set(expected) - set(sources))]
+        problems += [f"{sources[k]} has shape {list(self.shape(sources[k]))}, config.json says {list(shape)}"
+                     for k, shape in expected.items() if k in sources and self.shape(sources[k]) != shape]
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise UnsupportedModelError(f"{where} do not match this model: {'; '.join(problems[:3])}{more}: {fix}.")
+        return {k: sources[k] for k in expected}   # the model's order
+
+    @staticmethod
+    def _hf_name(name: str) -> str:
+        """Our state-dict name -> the transformers name it is read from (for messages)."""
+        top = {ours: hf for hf, ours in _TOP.items()}
+        if name in top:
+            return top[name]
+        index, rest = name.split(".", 2)[1:]
+        in_layer = {ours: hf for hf, ours in _IN_LAYER.items()}
+        return f"model.layers.{index}." + (in_layer.get(rest) or "self_attn." + rest.removeprefix("mixer."))
+
+    def local_shard(self, sources: dict, cfg: ModelConfig, tp: int, rank: int) -> dict:
+        """TP rank `rank`'s state dict at TP=`tp` (vocabulary padded with zero rows), float32:
+        only the rows or columns it keeps are read from the files. A tied head is the
+        embedding's tensor (saved once)."""
+        shard = {}
+        for name, key in sources.items():
+            if name == "lm_head.weight" and cfg.tie_embeddings:
+                shard[name] = shard["embed.weight"]
+                continue
+            piece = self.handles[self.where[key]].get_slice(key)
+            tensor = local_slice(name, cfg, tp, rank, [(self.shape(key), piece.__getitem__)])
+            shard[name] = tensor.to(torch.float32)
+        return shard
+
+    def nbytes(self, sources: dict, cfg: ModelConfig, tp: int) -> int:
+        """About the bytes of the float32 checkpoint at TP=`tp` (vocabulary padding included)."""
+        total = 0
+        for name, key in sources.items():
+            if name == "lm_head.weight" and cfg.tie_embeddings:
+                continue
+            shape = list(self.shape(key))
+            if parameter_role(name, cfg).split is Split.VOCAB:
+                shape[0] = padded_vocab_size(cfg, tp)
+            count = 1
+            for n in shape:
+                count *= n
+            total += 4 * count
+        return total

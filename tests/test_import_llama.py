@@ -1,0 +1,290 @@
+"""import-hf of pretrained Llama-architecture transformers folders (issue 43): a randomly
+initialised tiny LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM saved by transformers
+becomes a softmax-mixer checkpoint whose logits are transformers' own (float32, < 1e-4), at
+TP=1 and at TP=2 x PP=2, and whose export (export-hf) has them still. What the model cannot
+express is refused, by config.json field, before anything is read or written."""
+import json
+import shutil
+
+import pytest
+import torch
+from bad_inputs import refused
+from distributed import run_distributed
+from test_hf import TOKENIZER, engine_logits, probe_batch, train_items
+
+from megatron_id.config import load_config
+from megatron_id.hf.export import import_hf
+from megatron_id.hf.llama import UnsupportedModelError, our_name
+
+VOCAB = 50257   # the GPT-2 tokenizer of tests/data (the model's vocabulary holds every id of it)
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+# one of each architecture, between them: multi-head and grouped-query attention (2 key/value
+# heads: one per rank at TP=2), q/k/v biases, tied and untied embeddings, RoPE bases, epsilons,
+# one file and shards named by model.safetensors.index.json
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(num_key_value_heads=4, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 50000.0})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "mistral-gqa": ("MistralConfig", "MistralForCausalLM",
+                    dict(num_key_value_heads=2, sliding_window=None, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+SHARDED = {"qwen2", "mistral-gqa"}
+
+
+def save_pretrained_model(folder, name: str, seed: int = 0):
+    """A random tiny transformers model `name` (MODELS) saved with its tokenizer into `folder`;
+    returns the model (eval mode). Weights N(0, 0.2), norms 1 + N(0, 0.2) and biases N(0, 0.2),
+    so that logits spread far beyond the tolerance and no comparison rests on a zero or a one."""
+    import transformers
+    config_class, model_class, extra = MODELS[name]
+    config = getattr(transformers, config_class)(**SHAPE, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, parameter in model.named_parameters():
+            noise = 0.2 * torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(1 + noise if pname.endswith("norm.weight") else noise)
+    model.save_pretrained(folder, max_shard_size="5MB" if name in SHARDED else "1GB")
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER), eos_token="<|endoftext|>") \
+        .save_pretrained(folder)
+    return model
+
+
+def hf_logits(model, batch=None):
+    with torch.no_grad():
+        return model(probe_batch() if batch is None else batch).logits
+
+
+def our_logits(checkpoint, batch=None):
+    """The training model's logits from a checkpoint at any layout (merged to TP=1)."""
+    from megatron_id.checkpoint.read import read_checkpoint
+    from megatron_id.model.language_model import LanguageModel
+    _, _, cfg, state = read_checkpoint(checkpoint)
+    model = LanguageModel(cfg, seed=None)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(probe_batch() if batch is None else batch)
+
+
+def export_logits(folder):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, local_files_only=True)
+    with torch.no_grad():
+        return model.eval()(probe_batch(), use_cache=False).logits
+
+
+def max_error(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """{name: (folder, the transformers model, its logits on the probe batch)}"""
+    root = tmp_path_factory.mktemp("pretrained")
+    out = {}
+    for name in MODELS:
+        model = save_pretrained_model(root / name, name)
+        out[name] = root / name, model, hf_logits(model)
+    return out
+
+
+# ---------------------------------------------------------------- the logits are transformers'
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_imported_logits_equal_transformers_and_survive_export(pretrained, tmp_path, name):
+    from megatron_id.checkpoint.files import module_file, read_client_state
+    from megatron_id.data.tokenizer import load_tokenizer, tokenizer_identity
+    from megatron_id.hf.export import export_hf
+    folder, model, want = pretrained[name]
+    if name in SHARDED:
+        assert (folder / "model.safetensors.index.json").is_file()
+    ckpt = import_hf(folder, tmp_path / "ckpt")
+    got = our_logits(ckpt)
+    assert max_error(got, want) < 1e-4, (name, max_error(got, want))
+    assert want.abs().max() > 1.0   # a comparison of something
+    client = read_client_state(ckpt / "iter_0000000")
+    cfg = client.model_config()
+    config = model.config
+    assert (cfg.mixer.value, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_hidden, cfg.vocab_size) == \
+        ("softmax", 64, 2, 4, 96, VOCAB)
+    assert cfg.n_kv_heads == (None if config.num_key_value_heads == 4 else config.num_key_value_heads)
+    assert cfg.qkv_bias == (name == "qwen2") and cfg.tie_embeddings == config.tie_word_embeddings
+    assert cfg.rope_theta == config.rope_parameters["rope_theta"] and cfg.norm_eps == config.rms_norm_eps
+    assert cfg.seq_length == 64 and client.weights_only and client.step == 0
+    # the tokenizer shipped with the weights, and its identity, recorded as for our own exports
+    assert client.tokenizer == str((folder / "tokenizer.json").resolve())
+    assert client.tokenizer_id == tokenizer_identity(load_tokenizer(str(TOKENIZER)))
+    # vocabulary padding rows (50257 -> 50304 at TP=1) are zero, and every tensor is float32
+    saved = torch.load(ckpt / "iter_0000000" / module_file(0), weights_only=True)["module"]
+    assert saved["embed.weight"].shape[0] == 50304 and not saved["embed.weight"][VOCAB:].any()
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    # exported back: the export's logits (transformers, the bundled code) are still transformers'
+    exported = export_hf(ckpt, tmp_path / "hf")
+    assert max_error(export_logits(exported), want) < 1e-4
+
+
+def _logits_after_load(rank, world, items):
+    """The engine's logits after train.load, the model given by `items` alone (no model file:
+    the overrides import-hf prints are the differences from the schema's defaults)."""
+    from megatron_id.training.engine import Trainer
+    return engine_logits(Trainer(load_config([], items)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_import_at_tp2_pp2_runs_in_the_trainer_with_transformers_logits(pretrained, fineweb_prefix, tmp_path,
+                                                                         capsys, name):
+    """The CLI writes TP=2 x PP=2; the trainer at that layout loads it (train.load) and its
+    engine computes transformers' logits; the export of the 2 x 2 checkpoint too."""
+    from megatron_id.cli import main
+    from megatron_id.hf.export import export_hf
+    folder, _, want = pretrained[name]
+    ckpt = tmp_path / "ckpt"
+    assert main(["import-hf", "--checkpoint", str(folder), "--output", str(ckpt), "--tensor-parallel", "2",
+                 "--pipeline-parallel", "2"]) == 0
+    said = capsys.readouterr().out
+    names = {p.name for p in (ckpt / "iter_0000000").iterdir()}
+    assert "layer_01-model_01-model_states.pt" in names, names   # the files of a PP run, TP rank 1
+    # the model.* overrides the command prints give the trainer the imported model
+    overrides = said.rsplit("and its model: ", 1)[1].strip().rstrip(")").split()
+    assert "model.mixer=softmax" in overrides and "model.d_model=64" in overrides, said
+    items = train_items(fineweb_prefix, 2, 2, "softmax") + overrides + [f"train.load={ckpt}"]
+    results = run_distributed(_logits_after_load, 4, args=(items,), timeout=300)
+    got = next(r for r in results if r is not None)
+    assert max_error(got, want) < 1e-4, (name, max_error(got, want))
+    assert max_error(our_logits(ckpt), want) < 1e-4
+    assert max_error(export_logits(export_hf(ckpt, tmp_path / "hf")), want) < 1e-4
+
+
+# ---------------------------------------------------------------- refused before any work
+
+def write_config(folder, config: dict):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "vocab_size": VOCAB, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "head_dim": 16, "tie_word_embeddings": False,
+                "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+QWEN2 = {**{k: v for k, v in LLAMA_CONFIG.items() if k not in ("attention_bias", "mlp_bias", "head_dim")},
+         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+         "sliding_window": None, "max_window_layers": 28, "layer_types": ["full_attention"] * 2}
+MISTRAL = {**QWEN2, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "head_dim": 16}
+for _key in ("use_sliding_window", "max_window_layers", "layer_types"):
+    MISTRAL.pop(_key)
+
+REFUSED = {   # name: (config.json, the line's pattern)
+    "rope_scaling": ({**LLAMA_CONFIG, "rope_parameters": None, "rope_theta": 10000.0,
+                      "rope_scaling": {"type": "linear", "factor": 2.0}},
+                     r'rope_scaling.type="linear" is not supported: RoPE here is plain'),
+    "rope_parameters llama3": ({**LLAMA_CONFIG, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5,
+                                                                     "factor": 8.0}},
+                               r'rope_parameters.rope_type="llama3" is not supported'),
+    "mistral sliding_window": ({**MISTRAL, "sliding_window": 4096},
+                               r"sliding_window=4096 is not supported: this import reads full causal attention"),
+    "qwen2 use_sliding_window": ({**QWEN2, "use_sliding_window": True, "sliding_window": 4096},
+                                 r"use_sliding_window=true is not supported"),
+    "layer_types": ({**QWEN2, "layer_types": ["full_attention", "sliding_attention"]},
+                    r'layer_types=\["sliding_attention"\] is not supported'),
+    "mlp_bias": ({**LLAMA_CONFIG, "mlp_bias": True}, r"mlp_bias=true is not supported: the SwiGLU here has no "
+                 r"biases"),
+    "hidden_act": ({**LLAMA_CONFIG, "hidden_act": "gelu"}, r'hidden_act="gelu" is not supported'),
+    "head_dim": ({**LLAMA_CONFIG, "head_dim": 32}, r"head_dim=32 is not supported: heads here are hidden_size / "
+                 r"num_attention_heads = 16 wide"),
+    "attention_bias": ({**LLAMA_CONFIG, "attention_bias": True}, r"attention_bias=true is not supported: "
+                       r"LlamaForCausalLM then has a bias on o_proj too"),
+    "architecture": ({**LLAMA_CONFIG, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+                     r"names architectures \['GPT2LMHeadModel'\]: import-hf reads exports of megatron-id and the "
+                     r"transformers architectures LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"),
+    "kv heads": ({**LLAMA_CONFIG, "num_key_value_heads": 3}, r"num_key_value_heads=3 is not supported: it must "
+                 r"divide num_attention_heads=4"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_the_model_cannot_express_is_refused_by_field(tmp_path, case):
+    config, pattern = REFUSED[case]
+    # no weights, no tokenizer: the refusal comes before either is looked at
+    folder = write_config(tmp_path / "pretrained", config)
+    with pytest.raises(UnsupportedModelError, match=pattern) as err:
+        import_hf(folder, tmp_path / "out", tensor_parallel=2)
+    assert "\n" not in str(err.value) and "nothing was written" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrained"]
+
+
+@pytest.mark.parametrize("config", [LLAMA_CONFIG, QWEN2, MISTRAL], ids=["llama", "qwen2", "mistral"])
+def test_accepted_configs_map_to_the_softmax_model(tmp_path, config):
+    from megatron_id.hf.llama import transformers_model_config
+    cfg = transformers_model_config(tmp_path, config)
+    assert (cfg.mixer.value, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_hidden, cfg.seq_length) == \
+        ("softmax", 64, 2, 4, 96, 64)
+    assert cfg.qkv_bias == (config is QWEN2) and cfg.rope and cfg.n_kv_heads is None
+    gqa = transformers_model_config(tmp_path, {**config, "num_key_value_heads": 2,
+                                               "rope_parameters": None, "rope_theta": 5e5})
+    assert gqa.n_kv_heads == 2 and gqa.rope_theta == 5e5
+
+
+def test_tensor_names_map_to_the_training_model():
+    assert our_name("model.embed_tokens.weight") == "embed.weight"
+    assert our_name("model.layers.7.self_attn.k_proj.bias") == "layers.7.mixer.k_proj.bias"
+    assert our_name("model.layers.0.mlp.gate_proj.weight") == "layers.0.ffn.w1.weight"
+    assert our_name("model.layers.0.mlp.up_proj.weight") == "layers.0.ffn.w3.weight"
+    assert our_name("model.layers.0.mlp.down_proj.weight") == "layers.0.ffn.w2.weight"
+    assert our_name("model.layers.1.post_attention_layernorm.weight") == "layers.1.ffn_norm.weight"
+    assert our_name("model.layers.1.input_layernorm.weight") == "layers.1.mixer_norm.weight"
+    assert our_name("model.norm.weight") == "norm.weight" and our_name("lm_head.weight") == "lm_head.weight"
+    assert our_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_match_are_named_before_writing(pretrained, tmp_path):
+    """A shard named by the index but missing, a tensor of another shape, a folder of pickled
+    weights only, no tokenizer.json: one line each, exit 2, nothing written (the CLI, as a
+    user runs it)."""
+    source = pretrained["mistral-gqa"][0]
+    missing = shutil.copytree(source, tmp_path / "missing")
+    shard = json.loads((missing / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    (missing / shard).unlink()
+    refused(["megatron_id.cli", "import-hf", "--checkpoint", missing, "--output", tmp_path / "a"],
+            mention=rf"{shard} is missing \(model.safetensors.index.json names it\)", unchanged=[tmp_path])
+    wrong = shutil.copytree(source, tmp_path / "wrong")
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    done = refused(["megatron_id.cli", "import-hf", "--checkpoint", wrong, "--output", tmp_path / "b"],
+                   mention=r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\], config.json says \[128, 64\]",
+                   unchanged=[tmp_path])
+    assert done.returncode == 2
+    pickled = write_config(tmp_path / "pickled", LLAMA_CONFIG)
+    (pickled / "pytorch_model.bin").write_bytes(b"x")
+    shutil.copy(source / "tokenizer.json", pickled / "tokenizer.json")
+    refused(["megatron_id.cli", "import-hf", "--checkpoint", pickled, "--output", tmp_path / "c"],
+            mention=r"has neither model.safetensors nor model.safetensors.index.json \(it has pytorch_model.bin: "
+                    r"pickled weights are not read\)", unchanged=[tmp_path])
+    untokenized = shutil.copytree(source, tmp_path / "untokenized")
+    (untokenized / "tokenizer.json").unlink()
+    refused(["megatron_id.cli", "import-hf", "--checkpoint", untokenized, "--output", tmp_path / "e"],
+            mention=r"untokenized has no tokenizer.json \(the fast tokenizer file transformers writes\)",
+            unchanged=[tmp_path])
+    # and a refusal by config field, through the CLI: exit 2, one line
+    bad = write_config(tmp_path / "scaled", REFUSED["rope_scaling"][0])
+    done = refused(["megatron_id.cli", "import-hf", "--checkpoint", bad, "--output", tmp_path / "d"],
+                   mention=REFUSED["rope_scaling"][1], unchanged=[tmp_path])
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_pretrained_folder_given_where_an_export_is_wanted_names_import_hf(tmp_path):
+    from megatron_id.hf.export import NotAnExportError, read_export_config
+    folder = write_config(tmp_path / "pretrained", QWEN2)
+    with pytest.raises(NotAnExportError, match=r"has model_type 'qwen2', not 'megatron_id'.*It is a pretrained "
+                       r"Qwen2ForCausalLM folder: megatron-id import-hf reads it into a training checkpoint"):
+        read_export_config(folder)
