@@ -226,9 +226,13 @@ def test_a_prefix_named_twice_is_one_dataset(fineweb_prefix, tmp_path, capsys):
 def _start_plain_run(items, log: Path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("MEGATRON_ID_STOPPED_EXIT_STATUS", None)
+    # SIGINT back to its default in the child: a shell without job control (a CI script started
+    # with `&`) starts its background commands with SIGINT ignored, the child would inherit that,
+    # and Python never turns an ignored SIGINT into KeyboardInterrupt
     return subprocess.Popen([sys.executable, "-m", "megatron_id.cli", "train", "--config", TINY, *items],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=ROOT,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_step(proc, log: Path, step: int, timeout: float = 240):
@@ -265,7 +269,11 @@ def test_sigint_says_what_was_saved(fineweb_prefix, tmp_path):
     proc = _start_plain_run(items, log)
     _wait_for_step(proc, log, 3)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    try:
+        status = proc.wait(timeout=120)
+    finally:
+        proc.kill()   # never left running past the test (it would slow every test after it)
+    assert status == 130, log.read_text()[-3000:]
     text = log.read_text()
     assert "Traceback" not in text, text[-3000:]
     last = text.strip().splitlines()[-1]
