@@ -115,9 +115,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.compare and not Path(args.compare).is_file():
         sys.exit(f"--compare {args.compare}: no such file (make it with --out on the earlier commit)")
+    # before the minutes of training, not after: an output that cannot be written, or one that
+    # would replace an earlier fingerprint
+    out = Path(args.out)
+    if out.exists():
+        sys.exit(f"--out {out} exists: give a new file name (an earlier fingerprint is never replaced)")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        sys.exit(f"--out {out}: its folder {out.parent} does not exist or cannot be written: give a writable folder")
     with tempfile.TemporaryDirectory(prefix="fingerprint-") as tmp:
         result = fingerprint(Path(tmp), args.cells)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}: {len(args.cells)} cells")
     if args.compare:
         sys.exit(0 if compare(json.loads(Path(args.compare).read_text()), result) else 1)

@@ -29,7 +29,7 @@ import torch
 from ..errors import is_disk_full
 from .files import commit, finish_staging, prune, write_client_state
 from .integrity import CheckpointError, checkpoint_files, manifest_entries, write_manifest
-from .space import checkpoint_disk_full, remove_partial
+from .space import checkpoint_disk_full, recording_engine, remove_partial
 
 MARKER = ".written-rank"
 
@@ -50,29 +50,8 @@ def to_host(obj):
 
 
 def host_copy_engine():
-    """DeepSpeed's CheckpointEngine interface, keeping every save as a host copy (`files`)."""
-    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
-
-    class HostCopyEngine(CheckpointEngine):
-        def __init__(self):
-            super().__init__()
-            self.name, self.files = "megatron_id.HostCopyEngine", []
-
-        def create(self, info):
-            pass
-
-        def save(self, state_dict, path: str):
-            self.files.append((path, to_host(state_dict)))
-
-        def load(self, path: str, map_location=None):
-            raise RuntimeError("HostCopyEngine only saves")
-
-        def commit(self, info):
-            return True
-
-        def preserves_storage_sharing(self):
-            return False   # DeepSpeed need not clone first: to_host copies each tensor compactly
-    return HostCopyEngine()
+    """Keeps every save as a host copy (`files`: (path, state on the host))."""
+    return recording_engine("HostCopyEngine", to_host)
 
 
 def write_file(state, path: str) -> None:

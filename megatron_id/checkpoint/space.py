@@ -51,33 +51,40 @@ def tensor_bytes(obj) -> int:
     return total + FILE_OVERHEAD
 
 
-def sizing_engine():
-    """DeepSpeed's CheckpointEngine interface, counting what each file would hold (`files`)."""
+def recording_engine(name: str, keep):
+    """DeepSpeed's CheckpointEngine interface writing nothing: each file DeepSpeed saves is kept
+    in `files` as (path, keep(state_dict)). The sizing pass keeps its bytes (`sizing_engine`),
+    train.async_save a host copy (background.host_copy_engine). Neither needs DeepSpeed to clone
+    views first (preserves_storage_sharing False): counting does not write, and the host copy
+    copies each tensor compactly."""
+    # deepspeed imports in seconds: only when a save is sized or staged
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-    class SizingEngine(CheckpointEngine):
+    class RecordingEngine(CheckpointEngine):
         def __init__(self):
             super().__init__()
-            self.name, self.files = "megatron_id.SizingEngine", []
+            self.name, self.files = f"megatron_id.{name}", []
 
         def create(self, info):
             pass
 
-        def makedirs(self, path, exist_ok=False):
-            os.makedirs(path, exist_ok=True)
-
         def save(self, state_dict, path: str):
-            self.files.append((path, tensor_bytes(state_dict)))
+            self.files.append((path, keep(state_dict)))
 
         def load(self, path: str, map_location=None):
-            raise RuntimeError("SizingEngine only counts")
+            raise RuntimeError(f"{name} only records what is saved")
 
         def commit(self, info):
             return True
 
         def preserves_storage_sharing(self):
-            return False   # nothing is written: no clone needed to count a view
-    return SizingEngine()
+            return False
+    return RecordingEngine()
+
+
+def sizing_engine():
+    """Counts what each file would hold (`files`: (path, bytes))."""
+    return recording_engine("SizingEngine", tensor_bytes)
 
 
 def reshardable_bytes(trainer) -> int:
