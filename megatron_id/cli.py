@@ -5,6 +5,7 @@
     megatron-id train --nproc N --config run.yaml [key=value ...]          (or under torchrun / srun, without --nproc)
     megatron-id export-hf --checkpoint runs/x/checkpoints --output runs/x/hf
     megatron-id import-hf --input runs/x/hf --output runs/y/checkpoints --tensor-parallel 2
+    megatron-id convert --checkpoint runs/y/checkpoints --layer-pattern IIIAIIIA --output runs/z/checkpoints
     megatron-id generate --checkpoint runs/x/hf --prompt "The water cycle" --max-new-tokens 50
     megatron-id check-checkpoint runs/x/checkpoints [--all]
     megatron-id kernel-resources --config configs/model/1p3b.yaml [--arch sm_80 sm_90]
@@ -25,6 +26,7 @@ import sys
 # heavy imports inside its `run` too; tests/test_cli_commands.py fails when torch comes back.
 from .commands import (
     check_checkpoint,
+    convert,
     convert_checkpoint,
     export_hf,
     generate,
@@ -42,8 +44,8 @@ from .commands.options import parse_with_overrides_anywhere
 from .errors import run_guarded
 
 # in the order `megatron-id --help` lists them
-COMMANDS = (params, preprocess, kernel_resources, train, check_checkpoint, export_hf, import_hf, generate, serve,
-            convert_checkpoint, job_prepare, plan, eval_command)
+COMMANDS = (params, preprocess, kernel_resources, train, check_checkpoint, export_hf, import_hf, convert, generate,
+            serve, convert_checkpoint, job_prepare, plan, eval_command)
 
 # Their own parsers (Megatron's flag names; ops/interdomain/resources.py): the rest of the line is
 # handed over whole, unparsed here.

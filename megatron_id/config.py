@@ -158,6 +158,33 @@ class ProfileConfig:
     memory_snapshot: bool = True       # CUDA only
 
 
+class DistillStage(str, Enum):
+    layers = "layers"   # (a) each converted layer's mixer regressed on the teacher layer's attention output
+    logits = "logits"   # (b) KL to the teacher's logits plus the LM loss
+
+
+class TeacherDtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+@dataclass
+class DistillConfig:
+    """Distillation from a teacher in the same process (training/distill.py, docs/conversion.md)."""
+    # the teacher: a training checkpoint folder (a softmax model: import-hf's, or a run's train.save),
+    # or a transformers Llama / Qwen2 / Mistral folder; None: plain training
+    teacher: Optional[str] = None
+    stage: DistillStage = DistillStage.logits   # layers (a), then logits (b): docs/conversion.md
+    temperature: float = 1.0          # stage logits: both distributions at logits / temperature; KL x temperature^2
+    kl_weight: float = 1.0            # stage logits: the KL term's weight
+    # stage logits: the next-token loss's weight beside the KL [our choice: 0.5, between LoLCATs'
+    # pure KL and the even blend of Hinton's recipe; 0 trains on the teacher alone]
+    lm_weight: float = 0.5
+    # the teacher's weights in bfloat16 (half its memory; its outputs then differ from fp32 at
+    # bf16's rounding) or float32 [our choice: float32, the exact target]
+    teacher_dtype: TeacherDtype = TeacherDtype.float32
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 1         # sequences per rank per forward
@@ -231,6 +258,11 @@ class TrainConfig:
     # at the end of a run that reached train_iters: export the last checkpoint to this Hugging
     # Face folder (the rules of megatron-id export-hf; needs train.save and data.tokenizer)
     export_hf_at_end: Optional[str] = None
+    # train.load's weights start a new run at step 0: no optimizer state, step, data position or
+    # RNG are taken from it (Megatron's --finetune, NeoX's finetune). Only where train.load is
+    # another run's folder: a run resuming its own history (train.load = train.save) resumes as usual
+    finetune: bool = False
+    distill: DistillConfig = field(default_factory=DistillConfig)   # distillation from a teacher (docs/conversion.md)
 
 
 @dataclass
@@ -686,6 +718,12 @@ def _check_ranges(cfg: Config) -> None:
         ("train.profile.start_step", t.profile.start_step, t.profile.start_step >= 1,
          "must be at least 1 (the first step)"),
         ("train.profile.steps", t.profile.steps, t.profile.steps >= 1, "must be at least 1"),
+        ("train.distill.temperature", t.distill.temperature,
+         t.distill.temperature > 0 and math.isfinite(t.distill.temperature), "must be a positive number (e.g. 1.0)"),
+        ("train.distill.kl_weight", t.distill.kl_weight,
+         t.distill.kl_weight >= 0 and math.isfinite(t.distill.kl_weight), "must be >= 0"),
+        ("train.distill.lm_weight", t.distill.lm_weight,
+         t.distill.lm_weight >= 0 and math.isfinite(t.distill.lm_weight), "must be >= 0 (0: the teacher alone)"),
         ("train.collective_timeout_minutes", t.collective_timeout_minutes,
          0 < t.collective_timeout_minutes and math.isfinite(t.collective_timeout_minutes),
          "must be a positive number of minutes"),

@@ -270,6 +270,7 @@ def test_an_export_of_a_gqa_model_with_biases_loads_and_generates(tmp_path):
     assert (cfg.n_kv_heads, cfg.qkv_bias) == (2, True)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
                                                               local_files_only=True).eval()
+    assert model.config.num_key_value_heads == 2 and model.config.num_attention_heads == cfg.n_heads
     prompt = torch.randint(0, 50257, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         cached = model.generate(prompt, max_new_tokens=8, do_sample=False)
@@ -282,3 +283,126 @@ def test_an_export_of_a_gqa_model_with_biases_loads_and_generates(tmp_path):
     assert inner.layers[0].mixer.q_proj.bias.abs().sum() > 0
     with torch.no_grad():
         assert F.mse_loss(model(prompt, use_cache=False).logits, inner(prompt)).item() < 1e-10
+
+
+# ---------------------------------------------------------------- decoding over the cache (eager)
+
+def test_eager_decode_reads_the_cache_in_place_bit_for_bit(monkeypatch):
+    """A model call over the cache (prefill after a cache, decode, left padding) no longer repeats
+    the cached keys and values for every query head on CPU (SDPA's enable_gqa reads them in
+    place): the same logits and caches bit for bit as the repeated copy (float32); greedy eager
+    and fused generation give the same tokens."""
+    from megatron_id.inference.generate import generate_ids
+    from megatron_id.model.mixers import softmax
+    cfg = config(*GQA, "model.init_std=0.3")
+    model = model_of(cfg, dtype=torch.float32).eval()
+    x = tokens(2, 20, seed=6)
+
+    def run():
+        with torch.no_grad():
+            logits, states = model(x[:, :7], return_states=True)
+            pieces = [logits]
+            logits, states = model(x[:, 7:12], states=states, return_states=True)   # a chunk after a cache
+            pieces.append(logits)
+            for t in range(12, 20):   # decode
+                logits, states = model(x[:, t:t + 1], states=states, return_states=True)
+                pieces.append(logits)
+            padded = model(x[:, :15], start=torch.tensor([0, 4]))
+        return torch.cat(pieces, 1), padded, states
+
+    repeated_shapes, repeat = [], softmax.repeat_kv
+    monkeypatch.setattr(softmax, "repeat_kv", lambda k, groups, dim: repeated_shapes.append(tuple(k.shape)) or
+                        repeat(k, groups, dim))
+    in_place, padded, states = run()
+    # only the first prefill (a whole sequence: causal_attention) repeats, k and v of each layer
+    assert repeated_shapes == [(2, 7, 2, 8)] * 4, repeated_shapes
+    monkeypatch.setattr(softmax, "_SDPA_GQA", False)   # the cache repeated, as before
+    was, was_padded, was_states = run()
+    assert torch.equal(in_place, was) and torch.equal(padded, was_padded)
+    assert all(torch.equal(a[key], b[key]) for a, b in zip(states, was_states) for key in ("k", "v"))
+    assert states[0]["k"].shape == (2, 20, 2, 8)   # the cache holds the key/value heads only
+    monkeypatch.setattr(softmax, "_SDPA_GQA", True)
+    prompt = x[0, :6].tolist()
+    eager = list(generate_ids(model, prompt, 12, decode="eager", prefill_chunk_size=4))
+    assert eager == list(generate_ids(model, prompt, 12, decode="fused", prefill_chunk_size=4))
+    assert len(set(eager)) > 2, eager   # greedy choices far from ties: not one token repeated
+
+
+# ---------------------------------------------------------------- a resume: None means what it stands for
+
+def _checkpoint_of(tmp_path, name, model_cfg, **model_values):
+    """A weights-only checkpoint of `model_cfg`, its recorded model config changed by
+    `model_values` (another spelling of the same model); returns its iter folder."""
+    from megatron_id.checkpoint.files import ClientState, model_config_dict
+    from megatron_id.checkpoint.read import write_weights_only
+    from megatron_id.hf.export import write_folder
+    values = {**model_config_dict(model_cfg), **model_values}
+    values = {k: v for k, v in values.items() if v != "absent"}   # a checkpoint written before the key
+    client = ClientState(step=0, model=values, weights_only=True,
+                         layout={"tensor": 1, "pipe": 1, "data": 1, "zero_stage": 0})
+    shard = LanguageModel(model_cfg, seed=0).state_dict()
+    root = write_folder(tmp_path / name, lambda staging: write_weights_only(staging, [shard], model_cfg, 1, client))
+    return root / "iter_0000000"
+
+
+def test_a_resume_reads_an_unset_key_as_the_value_it_stands_for(tmp_path):
+    """model.n_kv_heads unset is n_heads, model.ffn_hidden unset is the width ffn_multiple_of
+    gives (import-hf writes n_kv_heads only under GQA and ffn_hidden always): either spelling
+    resumes the other; a real difference is still refused, named as the weights mean it."""
+    from megatron_id.config import Config, load_config
+    from megatron_id.training.agreement import check_resume_model
+
+    def run(*items) -> Config:
+        return load_config([CONFIGS / "model" / "tiny.yaml"], [f"model.vocab_size={VOCAB}", "model.d_model=32",
+                                                                "model.mixer=softmax", *items])
+    mha = run().model   # n_kv_heads None, ffn_hidden None (SwiGLU width 128 from d_model 32)
+    unset = _checkpoint_of(tmp_path, "unset", mha)
+    spelled = _checkpoint_of(tmp_path, "spelled", mha, n_kv_heads=4, ffn_hidden=128, ffn_multiple_of=64)
+    for folder in (unset, spelled):
+        check_resume_model(folder, run())
+        check_resume_model(folder, run("model.n_kv_heads=4", "model.ffn_hidden=128"))
+        check_resume_model(folder, run("model.ffn_multiple_of=64"))   # 8 x 32 / 3 = 85.3 -> 128 too
+    with pytest.raises(ConfigError, match=r"model.ffn_hidden=128 in the checkpoint but 96 here.*"
+                                          r"set model.ffn_hidden=128"):
+        check_resume_model(unset, run("model.ffn_multiple_of=32"))   # 85.3 -> 96: another model
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=4 in the checkpoint but 2 here.*set model.n_kv_heads=4"):
+        check_resume_model(unset, run("model.n_kv_heads=2"))
+    # a key both sides leave unset is not named for what another key changes
+    with pytest.raises(ConfigError, match=r"differs from this run's: model.d_model=32 in the checkpoint but 64 "
+                                          r"here, model.n_heads=4 in the checkpoint but 8 here\. A resume"):
+        check_resume_model(unset, run("model.d_model=64", "model.n_heads=8"))
+    # a checkpoint written before model.n_kv_heads existed is multi-head attention
+    older = _checkpoint_of(tmp_path, "older", mha, n_kv_heads="absent")
+    check_resume_model(older, run("model.n_kv_heads=4"))
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=4 in the checkpoint but 1 here"):
+        check_resume_model(older, run("model.n_kv_heads=1"))
+    # the reverse: a GQA checkpoint refuses a run without GQA
+    gqa = _checkpoint_of(tmp_path, "gqa", run("model.n_kv_heads=2").model)
+    check_resume_model(gqa, run("model.n_kv_heads=2", "model.ffn_hidden=128"))
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=2 in the checkpoint but 4 here"):
+        check_resume_model(gqa, run())
+
+
+# ---------------------------------------------------------------- the planner
+
+def test_the_planner_counts_the_parameters_each_rank_holds():
+    """plan.py's parameters per stage and rank are the real model's TP shards (k_proj and v_proj
+    n_kv_heads wide, their biases, the padded vocabulary), and the accounting's KV cache is the
+    cache the model keeps."""
+    from megatron_id.training.plan import largest_parameter, stage_parameters
+    cfg = load_config([CONFIGS / "model" / "tiny.yaml"], [f"model.vocab_size={VOCAB}", "model.d_model=32",
+                                                          "model.chunk_size=8", *GQA])
+    model = LanguageModel(cfg.model, seed=0)
+    assert model.layers[0].mixer.k_proj.weight.shape == (16, 32)
+    for tp in (1, 2):
+        shard = split_state_dict(model.state_dict(), cfg.model, tp)[0]
+        for pp in (1, 2):
+            assert sum(stage_parameters(cfg, tp, pp)) == sum(t.numel() for t in shard.values()), (tp, pp)
+        assert largest_parameter(cfg, tp, 1, 0) == max(t.numel() for t in shard.values())
+        assert shard["layers.0.mixer.k_proj.weight"].shape == (16 // tp, 32)
+    r = report(cfg.model)
+    assert r.parameters == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        _, states = model.eval()(tokens(1, 9), return_states=True)
+    per_token = [(s["k"].numel() + s["v"].numel()) // 9 for s in states]
+    assert per_token == [r.kv_cache_per_token_per_layer] * 2 and r.decode_state_per_token == sum(per_token)

@@ -323,7 +323,7 @@ def test_overwrite_replaces_an_earlier_import(export, tmp_path):
     from megatron_id.hf.export import import_hf
     out = import_hf(export, tmp_path / "imported", tensor_parallel=1)
     import_hf(export, out, tensor_parallel=2, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["iter_0000000", "latest"]
+    assert sorted(p.name for p in out.iterdir()) == ["iter_0000000", "latest", "tokenizer"]
     assert read_client_state(out / "iter_0000000").layout["tensor"] == 2
     assert verify_checkpoint(out / "iter_0000000") == []   # its manifest covers every file
     assert hidden_leftovers(tmp_path) == []

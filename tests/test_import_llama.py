@@ -33,6 +33,8 @@ MODELS = {
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
 SHARDED = {"qwen2", "mistral-gqa"}
+# besides (not in the slow matrix above): Qwen2 with grouped-query attention and its biases together
+QWEN2_GQA = ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, rms_norm_eps=1e-6))
 
 
 def save_pretrained_model(folder, name: str, seed: int = 0):
@@ -40,7 +42,7 @@ def save_pretrained_model(folder, name: str, seed: int = 0):
     returns the model (eval mode). Weights N(0, 0.2), norms 1 + N(0, 0.2) and biases N(0, 0.2),
     so that logits spread far beyond the tolerance and no comparison rests on a zero or a one."""
     import transformers
-    config_class, model_class, extra = MODELS[name]
+    config_class, model_class, extra = QWEN2_GQA if name == "qwen2-gqa" else MODELS[name]
     config = getattr(transformers, config_class)(**SHAPE, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -118,16 +120,43 @@ def test_imported_logits_equal_transformers_and_survive_export(pretrained, tmp_p
     assert cfg.qkv_bias == (name == "qwen2") and cfg.tie_embeddings == config.tie_word_embeddings
     assert cfg.rope_theta == config.rope_parameters["rope_theta"] and cfg.norm_eps == config.rms_norm_eps
     assert cfg.seq_length == 64 and client.weights_only and client.step == 0
-    # the tokenizer shipped with the weights, and its identity, recorded as for our own exports
-    assert client.tokenizer == str((folder / "tokenizer.json").resolve())
+    # the checkpoint's own copy of the tokenizer shipped with the weights, and its identity,
+    # recorded as for our own exports
+    assert client.tokenizer == str(ckpt / "tokenizer" / "tokenizer.json")
     assert client.tokenizer_id == tokenizer_identity(load_tokenizer(str(TOKENIZER)))
     # vocabulary padding rows (50257 -> 50304 at TP=1) are zero, and every tensor is float32
     saved = torch.load(ckpt / "iter_0000000" / module_file(0), weights_only=True)["module"]
     assert saved["embed.weight"].shape[0] == 50304 and not saved["embed.weight"][VOCAB:].any()
     assert all(t.dtype == torch.float32 for t in saved.values())
-    # exported back: the export's logits (transformers, the bundled code) are still transformers'
+    # exported back: the export's logits (transformers, the bundled code) are still transformers',
+    # and its config.json names the key/value heads as transformers does
     exported = export_hf(ckpt, tmp_path / "hf")
     assert max_error(export_logits(exported), want) < 1e-4
+    assert json.loads((exported / "config.json").read_text())["num_key_value_heads"] == config.num_key_value_heads
+
+
+def test_a_gqa_qwen2_with_biases_round_trips(tmp_path):
+    """Qwen2 with grouped-query attention and its q/k/v biases, imported at TP=2 (one key/value
+    head per rank) and exported back: the export loads in transformers with the source's logits,
+    and its config.json says num_key_value_heads for transformers' users (tools that size a KV
+    cache from it), as the model section says model.n_kv_heads and model.qkv_bias."""
+    from transformers import AutoConfig
+
+    from megatron_id.checkpoint.files import read_client_state
+    from megatron_id.hf.export import export_hf
+    model = save_pretrained_model(tmp_path / "qwen2", "qwen2-gqa")
+    want = hf_logits(model)
+    ckpt = import_hf(tmp_path / "qwen2", tmp_path / "ckpt", tensor_parallel=2)
+    cfg = read_client_state(ckpt / "iter_0000000").model_config()
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.qkv_bias) == (4, 2, True)
+    assert max_error(our_logits(ckpt), want) < 1e-4
+    exported = export_hf(ckpt, tmp_path / "hf")
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    assert (config["model"]["n_kv_heads"], config["model"]["qkv_bias"]) == (2, True)
+    assert AutoConfig.from_pretrained(exported, trust_remote_code=True, local_files_only=True).num_key_value_heads == 2
+    assert max_error(export_logits(exported), want) < 1e-4
+    assert want.abs().max() > 1.0
 
 
 def _logits_after_load(rank, world, items):
@@ -288,3 +317,71 @@ def test_a_pretrained_folder_given_where_an_export_is_wanted_names_import_hf(tmp
     with pytest.raises(NotAnExportError, match=r"has model_type 'qwen2', not 'megatron_id'.*It is a pretrained "
                        r"Qwen2ForCausalLM folder: megatron-id import-hf reads it into a training checkpoint"):
         read_export_config(folder)
+
+
+# ---------------------------------------------------------------- self-contained: the tokenizer copied
+
+def _train_into(rank, world, items):
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([], items))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def test_the_import_keeps_its_tokenizer_and_outlives_its_source(fineweb_prefix, tmp_path, capsys):
+    """import-hf copies the tokenizer into the checkpoint (output/tokenizer/) and records the copy:
+    with the source folder deleted, export-hf ships the same tokenizer, the trainer continues the
+    import in its own folder (train.load = train.save, pruning iter_0000000 away) on data.tokenizer
+    = the copy, and the run's checkpoint exports too. --overwrite replaces an earlier import (its
+    tokenizer folder included); a tokenizer folder holding anything else is not an import's."""
+    import transformers
+
+    from megatron_id.checkpoint.files import read_client_state
+    from megatron_id.cli import main
+    from megatron_id.commands.import_hf import model_overrides
+    from megatron_id.data.tokenizer import identity_of_file
+    from megatron_id.errors import OutputExistsError
+    from megatron_id.hf.export import TOKENIZER_FILES, export_hf, why_not_an_import
+    source = tmp_path / "pretrained"
+    save_pretrained_model(source, "llama")
+    shipped = sorted(name for name in TOKENIZER_FILES if (source / name).is_file())
+    assert "tokenizer.json" in shipped and "tokenizer_config.json" in shipped, shipped
+    identity = identity_of_file(TOKENIZER)
+    ckpt = import_hf(source, tmp_path / "ckpt")
+    copied = ckpt / "tokenizer"
+    assert sorted(p.name for p in copied.iterdir()) == shipped
+    assert all((copied / name).read_bytes() == (source / name).read_bytes() for name in shipped)
+    client = read_client_state(ckpt / "iter_0000000")
+    assert (client.tokenizer, client.tokenizer_id) == (str(copied / "tokenizer.json"), identity)
+    # an earlier import with its tokenizer folder: replaced with --overwrite only
+    with pytest.raises(OutputExistsError, match=r"already holds an earlier import"):
+        import_hf(source, ckpt)
+    assert main(["import-hf", "--checkpoint", str(source), "--output", str(ckpt), "--overwrite"]) == 0
+    assert f"train with train.load={ckpt} data.tokenizer={copied / 'tokenizer.json'} " in capsys.readouterr().out
+    assert why_not_an_import(ckpt) is None
+    (copied / "notes.txt").write_text("mine")
+    assert why_not_an_import(ckpt) == f"{copied} holds notes.txt, which import-hf does not write"
+    (copied / "notes.txt").unlink()
+    overrides = model_overrides(ckpt).split()
+    shutil.rmtree(source)
+    # export-hf finds the tokenizer by the checkpoint's record: the same one ships
+    exported = export_hf(ckpt, tmp_path / "hf")
+    assert (exported / "tokenizer.json").read_bytes() == (copied / "tokenizer.json").read_bytes()
+    assert json.loads((exported / "config.json").read_text())["megatron_id_tokenizer_id"] == identity
+    # the copy is a tokenizer folder transformers loads, with the source's settings
+    text = "The water cycle"
+    assert transformers.AutoTokenizer.from_pretrained(copied)(text)["input_ids"] == \
+        transformers.AutoTokenizer.from_pretrained(exported)(text)["input_ids"]
+    # the trainer continues the import in its own folder, on data tokenized with the copy
+    items = train_items(fineweb_prefix, 1, 1, "softmax") + overrides + [
+        f"train.load={ckpt}", f"train.save={ckpt}", f"data.tokenizer={copied / 'tokenizer.json'}",
+        "train.save_interval=1", "train.keep_last=1"]
+    losses = run_distributed(_train_into, 1, args=(items,), timeout=300)[0]
+    assert len(losses) == 2
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == \
+        ["iter_0000002", "latest", "tokenizer"]   # iter_0000000 pruned, the tokenizer kept
+    assert read_client_state(ckpt / "iter_0000002").tokenizer == str(copied / "tokenizer.json")
+    again = export_hf(ckpt, tmp_path / "hf2")
+    assert (again / "tokenizer.json").read_bytes() == (copied / "tokenizer.json").read_bytes()

@@ -248,6 +248,20 @@ def load(trainer, root) -> ClientState:
     return client
 
 
+def load_weights_of(trainer, root) -> None:
+    """train.finetune: the weights of `root`/latest alone (any layout); the run keeps its own step 0,
+    data position, RNG and fresh optimizer state."""
+    path = latest_folder(Path(root))
+    if path is None:
+        raise CheckpointError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
+    verify(path)
+    client = read_client_state(path)
+    saved = client.layout or current_layout(trainer)
+    load_weights(trainer, path, saved)
+    _say(f"loaded the weights of {path} (step {client.step}, saved at {describe(saved)}) into "
+         f"{describe(current_layout(trainer))}: train.finetune starts a new run at step 0 with fresh Adam state")
+
+
 def _local_model_names(trainer) -> list[str]:
     """The single-device model's state-dict names this rank holds (its pipeline stage's)."""
     cfg = trainer.cfg.model

@@ -226,6 +226,10 @@ class ClientState:
     # train.metrics_file when this checkpoint was saved, {"path": absolute, "bytes": its size}:
     # a resume from it drops only the lines its own run wrote after those bytes (training/metrics.py)
     metrics_file: dict | None = None
+    # what `megatron-id convert` made these weights from (checkpoint/conversion.py): the source
+    # checkpoint, the pattern, per converted layer the tensors carried, fresh and dropped, and
+    # --select's scores; None for any other checkpoint
+    conversion: dict | None = None
 
     def model_config(self) -> ModelConfig:
         """The model as saved, for readers (eval, generate, export, conversion). core_impl is

@@ -30,8 +30,16 @@ def run(args) -> int:
                     overwrite=args.overwrite, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
                     verify=args.verify)
     print(f"imported {args.input} -> {out} (TP={args.tensor_parallel}, PP={args.pipeline_parallel}; "
-          f"weights only: train with train.load={out} and its model: {model_overrides(out)})")
+          f"weights only: train with train.load={out} data.tokenizer={recorded_tokenizer(out)} (its copy of the "
+          f"tokenizer) and its model: {model_overrides(out)})")
     return 0
+
+
+def recorded_tokenizer(checkpoint) -> str | None:
+    """The tokenizer the import `checkpoint` records (its own copy: hf/export.py IMPORT_TOKENIZER)."""
+    from ..checkpoint.files import read_client_state
+    from ..checkpoint.read import checkpoint_folder
+    return read_client_state(checkpoint_folder(checkpoint)).tokenizer
 
 
 def model_overrides(checkpoint) -> str:

@@ -20,5 +20,7 @@ class MegatronIDConfig(PretrainedConfig):
         self.hidden_size = m.get("d_model")
         self.num_hidden_layers = m.get("n_layers")
         self.num_attention_heads = m.get("n_heads")
+        # the key/value heads of softmax layers (model.n_kv_heads; unset: n_heads, no GQA)
+        self.num_key_value_heads = m.get("n_kv_heads") or m.get("n_heads")
         kwargs.setdefault("tie_word_embeddings", bool(m.get("tie_embeddings", False)))
         super().__init__(**kwargs)

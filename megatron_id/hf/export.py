@@ -10,6 +10,8 @@ import_hf: such a folder -> a training checkpoint at any TP/PP, holding weights 
 trainer loads it at any layout and starts the optimizer fresh). It also reads a pretrained
 transformers folder of a Llama-style architecture (LlamaForCausalLM, Qwen2ForCausalLM,
 MistralForCausalLM) as the softmax model: hf/llama.py maps its config and reads its weights.
+The import is self-contained: it keeps a copy of the source's tokenizer in `output/tokenizer/`
+(IMPORT_TOKENIZER) and records that copy's path and identity, so the source may be deleted.
 
 Outputs are never destroyed by mistake. A new or empty `output` is written. A non-empty one is
 refused, unless `overwrite` is given and it holds only an earlier output of the same command
@@ -65,7 +67,7 @@ from ..errors import (
     refuse_output_inside,
 )
 from ..model.language_model import LanguageModel
-from ..model.spec import ffn_hidden_size
+from ..model.spec import ffn_hidden_size, kv_heads
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
 from .bundle import bundle_source
@@ -88,6 +90,21 @@ EXPORT_FILES = frozenset({"config.json", "generation_config.json", "model.safete
 VERIFY_MODES = ("sample", "full")
 VERIFY_SAMPLED_CHUNKS = 16
 IMPORT_TAG = tag_for(0)   # import_hf writes step 0 only
+# import_hf's copy of the tokenizer the weights go with, recorded in the checkpoint (path and
+# identity), so that the import is self-contained: training, export-hf, generate and eval find it
+# after the source folder is deleted. It sits in the checkpoint root beside `latest` and
+# iter_0000000 [our choice], not inside iter_0000000: a run that trains on in this folder
+# (train.load = train.save) prunes old iter_ folders (train.keep_last) and its step-0 save
+# (train.extra_save_steps=[0]) replaces iter_0000000, while no run touches other entries of its
+# train.save (data.tokenizer may name the copy: the checkpoints of such a run record it).
+IMPORT_TOKENIZER = "tokenizer"
+# what is copied: tokenizer.json, the file this project reads (data/tokenizer.py), required; and
+# those of transformers' tokenizer files that the source has [our choice: copied too]: they hold
+# what tokenizer.json does not (the BOS / EOS / pad names, add_bos_token, the chat template), so
+# `output/tokenizer` is a folder AutoTokenizer.from_pretrained loads with the source's settings,
+# and nothing of the tokenizer is lost with the source. Slow-tokenizer files (vocab.json,
+# merges.txt, tokenizer.model) are not: tokenizer.json, which import-hf requires, holds them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class NotAnExportError(UserError, ValueError):
@@ -214,15 +231,23 @@ def why_not_an_export(folder: Path) -> str | None:
 
 
 def why_not_an_import(folder: Path) -> str | None:
-    """None when `folder` holds one earlier import (weights-only iter_0000000 + `latest`) and
-    nothing else; otherwise why not. A folder with training checkpoints is never ours."""
+    """None when `folder` holds one earlier import (weights-only iter_0000000 + `latest`, and
+    the tokenizer folder of IMPORT_TOKENIZER holding only TOKENIZER_FILES) and nothing else;
+    otherwise why not. A folder with training checkpoints is never ours."""
     names = sorted(p.name for p in folder.iterdir())
     history = [n for n in names if n.startswith("iter_") and n != IMPORT_TAG]
     if history:
         return f"it holds training checkpoints ({_some(history)}): a training history is never replaced"
-    extra = [n for n in names if n not in ("latest", IMPORT_TAG)]
+    extra = [n for n in names if n not in ("latest", IMPORT_TAG, IMPORT_TOKENIZER)]
     if extra:
         return f"it holds {_some(extra)}, which import-hf does not write"
+    copied = folder / IMPORT_TOKENIZER   # (absent from imports written before the copy was kept)
+    if copied.exists():
+        if not copied.is_dir() or copied.is_symlink():
+            return f"its {IMPORT_TOKENIZER} is not the folder import-hf writes"
+        others = sorted(p.name for p in copied.iterdir() if p.name not in TOKENIZER_FILES or not p.is_file())
+        if others:
+            return f"{copied} holds {_some(others)}, which import-hf does not write"
     latest = folder / "latest"
     if not latest.is_file() or latest.read_text().strip() != IMPORT_TAG:
         return f"its `latest` does not name {IMPORT_TAG}"
@@ -419,6 +444,9 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
             "model": model_config_dict(cfg), "prefill_chunk_size": prefill_chunk_size,
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "tie_word_embeddings": cfg.tie_embeddings,
+            # grouped-query attention (model.n_kv_heads, softmax layers), under transformers' name:
+            # read by tools that size a KV cache from config.json (the model reads `model`)
+            "num_key_value_heads": kv_heads(cfg),
             "eos_token_id": ids["eos_token_id"], "pad_token_id": ids["eos_token_id"],
             "bos_token_id": ids["eos_token_id"], "torch_dtype": "float32", "use_cache": True,
             "megatron_id": {"step": client.step, "saved_layout": client.layout},
@@ -473,8 +501,9 @@ def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int =
               overwrite: bool = False, allow_tokenizer_mismatch: bool = False, verify: str = "sample") -> Path:
     """An exported folder, or a pretrained transformers folder of a Llama-style architecture
     (hf/llama.py: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, as a softmax model)
-    -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP (see the module doc for when
-    an existing `output` is replaced). Every check runs before anything is written."""
+    -> `output`/iter_0000000 (+ `latest`), weights only, at TP x PP, and `output`/tokenizer, the
+    checkpoint's own copy of the tokenizer (IMPORT_TOKENIZER; see the module doc for when an
+    existing `output` is replaced). Every check runs before anything is written."""
     _positive("--tensor-parallel", tensor_parallel, "the tensor parallel size of the checkpoint to write")
     _positive("--pipeline-parallel", pipeline_parallel, "the pipeline parallel size of the checkpoint to write")
     folder, output = Path(folder), Path(output).resolve()
@@ -501,9 +530,12 @@ def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int =
     tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(find_tokenizer(None, str(tokenizer), folder))),
                                              tokenizer, cfg.vocab_size, recorded, folder,
                                              allow=allow_tokenizer_mismatch, recorded_path=tokenizer)
+    # the checkpoint records its own copy of the tokenizer (IMPORT_TOKENIZER), by the path it has
+    # once the new folder is renamed into place
+    tokenizer_files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
     layout = {"tensor": tensor_parallel, "pipe": pipeline_parallel, "data": 1, "zero_stage": 0}
     client = ClientState(step=0, layout=layout, model=model_config_dict(cfg), weights_only=True,
-                         tokenizer=str(tokenizer), tokenizer_id=tokenizer_id)
+                         tokenizer=str(output / IMPORT_TOKENIZER / "tokenizer.json"), tokenizer_id=tokenizer_id)
     if pretrained is not None:
         # memory-mapped: each TP rank's slices are read, written and dropped before the next
         # rank's (the import holds one rank's share of the model, in float32)
@@ -516,7 +548,12 @@ def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int =
         shards = split_state_dict(full, cfg, tensor_parallel)
         needed = sum(t.numel() * t.element_size() for shard in shards for t in shard.values()) + (1 << 20)
 
+    needed += sum(path.stat().st_size for path in tokenizer_files)
+
     def build(staging: Path) -> None:
         write_weights_only(staging, shards, cfg, pipeline_parallel, client)
+        (staging / IMPORT_TOKENIZER).mkdir()
+        for path in tokenizer_files:   # (the umask's mode, as the checkpoint's files: not a read-only cache's)
+            shutil.copyfile(path, staging / IMPORT_TOKENIZER / path.name)
 
     return write_folder(output, build, needed, f"the import of {folder}")

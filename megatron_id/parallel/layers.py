@@ -9,6 +9,7 @@ initialisation can draw the full tensor and keep its slice.
     RowParallelLinear      weight columns (input features) split; output all-reduced
     VocabParallelEmbedding vocabulary rows split; out-of-range ids masked; output all-reduced
     vocab_parallel_cross_entropy  the loss over vocabulary-sharded logits
+    vocab_parallel_kl      KL(teacher || student) over vocabulary-sharded logits (distillation)
     PartialGradRMSNorm     a replicated norm whose inputs differ per rank: grads all-reduced
 
 With sequence parallelism, activations outside the TP regions are split along the sequence:
@@ -184,6 +185,49 @@ def vocab_parallel_cross_entropy(logits_local, target, group, vocab_size: int):
     `vocab_size` (padding) are excluded, so padding never changes the loss."""
     start = group_rank(group) * logits_local.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits_local, target, group, start, vocab_size)
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    """KL(teacher || student) per token over vocabulary-sharded logits, both divided by the
+    temperature first; the gradient reaches the student's logits only."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, group, vocab_start, vocab_size, temperature):
+        n_local = student.shape[-1]
+        padding = torch.arange(vocab_start, vocab_start + n_local, device=student.device) >= vocab_size
+
+        def log_softmax(logits):   # (log-probabilities, probabilities) across the group's shards
+            logits = (logits.float() / temperature).masked_fill(padding, float("-inf"))
+            peak = logits.max(dim=-1).values
+            if group_size(group) > 1:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            shifted = logits - peak[..., None]
+            exp = shifted.exp()
+            total = exp.sum(dim=-1)
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+            return shifted - total.log()[..., None], exp / total[..., None]
+        log_q, q = log_softmax(student)
+        log_p, p = log_softmax(teacher)
+        # p log(p / q); the padding's 0 x (-inf - -inf) and a teacher probability of exactly 0 count 0
+        kl = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(dim=-1)
+        if group_size(group) > 1:
+            dist.all_reduce(kl, group=group)
+        ctx.save_for_backward(q, p)
+        ctx.temperature, ctx.dtype = temperature, student.dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, p = ctx.saved_tensors
+        return ((q - p) * (grad[..., None] / ctx.temperature)).to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_kl(student_local, teacher_local, group, vocab_size: int, temperature: float = 1.0):
+    """Per-token KL(softmax(teacher / T) || softmax(student / T)) from vocabulary-sharded logits
+    [..., V_local] (distillation: training/distill.py); padding columns excluded, as in the loss."""
+    start = group_rank(group) * student_local.shape[-1]
+    return _VocabParallelKL.apply(student_local, teacher_local.detach(), group, start, vocab_size, temperature)
 
 
 def gather_logits(logits_local, group, vocab_size: int):

@@ -27,6 +27,7 @@ from ..data.indexed_dataset import IndexedDataset, matching_meta
 from ..data.tokenizer import MISMATCH_KEY, check_same_tokenizer, identity_of_file, load_tokenizer, tokenizer_identity
 from ..model.accounting import report
 from ..model.pattern import spelled_out
+from ..model.spec import ModelConfig, ffn_hidden_size
 
 
 @dataclass
@@ -127,10 +128,31 @@ def _layers_spelled_out(model: dict) -> dict:
     return {**model, "layer_pattern": spelled_out(model.get("layer_pattern"), model["mixer"], model["n_layers"])}
 
 
+def _as_the_weights_mean_it(saved: dict, current: dict) -> tuple[dict, dict]:
+    """The two model configs with the layer pattern spelled out and the keys whose None stands
+    for a value compared by that value, so that two spellings of one model compare equal
+    (import-hf writes model.n_kv_heads only under GQA and model.ffn_hidden always; a run may write
+    either way): n_kv_heads None is n_heads (as in a checkpoint written before the key), and
+    ffn_hidden None the width model.ffn_multiple_of gives, compared as that width (ffn_multiple_of
+    then decides nothing). A key both sides spell alike is left as it is, so that a resume that
+    changes model.d_model is told about d_model, not also about the widths it derives."""
+    saved, current = dict(_layers_spelled_out(saved)), dict(_layers_spelled_out(current))
+    for side, other in ((saved, current), (current, saved)):
+        if side.get("n_kv_heads") is None and other.get("n_kv_heads") is not None and "n_heads" in side:
+            side["n_kv_heads"] = side["n_heads"]
+    multiples = [side.get("ffn_multiple_of", ModelConfig.ffn_multiple_of) for side in (saved, current)]
+    if saved.get("ffn_hidden") is not None or current.get("ffn_hidden") is not None or multiples[0] != multiples[1]:
+        for side, multiple in zip((saved, current), multiples):
+            if side.get("ffn_hidden") is None and "d_model" in side:
+                side["ffn_hidden"] = ffn_hidden_size(ModelConfig(d_model=side["d_model"], ffn_multiple_of=multiple))
+            side.pop("ffn_multiple_of", None)
+    return saved, current
+
+
 def check_resume_model(folder: Path, cfg: Config) -> None:
     """Refuse a resume whose model config differs from the checkpoint's, naming every key."""
     client = read_client_state(folder)
-    saved, current = _layers_spelled_out(client.model), _layers_spelled_out(model_config_dict(cfg.model))
+    saved, current = _as_the_weights_mean_it(client.model, model_config_dict(cfg.model))
     differing = sorted(k for k in set(saved) | set(current)
                        if k not in RESUME_FREE_KEYS and k in saved and saved.get(k) != current.get(k))
     if not differing:

@@ -57,7 +57,7 @@ from ..checkpoint.files import (
 )
 from ..checkpoint.integrity import CheckpointError
 from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
-from ..config import Config, ConfigError, DataSource
+from ..config import Config, ConfigError, DataSource, DistillStage
 from ..data.gpt_dataset import (
     PretrainingSampler,
     build_gpt_datasets,
@@ -76,6 +76,7 @@ from ..parallel.pipeline import pipeline_model
 from ..parallel.tensor_parallel import parallel_model
 from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
 from .compilation import check_compile_toolchain, compile_engine
+from .distill import Distillation, check_teacher
 from .distributed import (
     Heartbeat,
     agree_on_rank0,
@@ -161,15 +162,28 @@ def check_run(cfg: Config, layout, on_gpu: bool):
     check_export_at_end(cfg)
     if t.compile:   # inductor's compiler, before the first step would find it missing
         check_compile_toolchain("cuda" if on_gpu else "cpu")
+    if t.distill.teacher is not None:   # its files, its vocabulary and layers against the student's
+        check_teacher(cfg, layout.tensor, tokenizer)
     resume, note = check_save_and_load(t.save, t.load)
     step = None
     if resume is not None:
         folder = latest_folder(resume)
         check_resume_model(folder, cfg)
-        check_resume_batch(folder, layout.global_batch_size)
         check_resume_tokenizer(folder, tokenizer, d.allow_tokenizer_mismatch)
-        step = step_of(folder.name)
+        if finetunes(cfg, resume):   # a new run from its weights: step 0, its own batch
+            note = (f"train.finetune: starting at step 0 from the weights of {folder} (its optimizer state, "
+                    f"step and data position are not taken)")
+        else:
+            check_resume_batch(folder, layout.global_batch_size)
+            step = step_of(folder.name)
     return resume, note, tokenizer, step
+
+
+def finetunes(cfg: Config, resume) -> bool:
+    """train.finetune applies: train.load is another run's folder (a run resuming its own
+    history, train.load = train.save, resumes as usual)."""
+    t = cfg.train
+    return t.finetune and resume is not None and (t.save is None or Path(resume).resolve() != Path(t.save).resolve())
 
 
 def run_warnings(cfg: Config, layout, world_size: int) -> list[str]:
@@ -289,6 +303,9 @@ class Trainer:
             model.activation_checkpointing = cfg.train.activation_checkpointing
             apply_context_parallel(model, self.context)
             mpu = state
+        # train.distill: the teacher, this rank's shard; in stage layers it freezes all of the
+        # student but its converted mixers, before the optimizer takes the trainable parameters
+        self.distill = Distillation(cfg, self.tp_group, model) if cfg.train.distill.teacher is not None else None
         o = cfg.optimizer
         # ZeRO-0: the guard computes the norm and clips (DeepSpeed's fp32 path would apply a
         # NaN step and reports no norm); ZeRO-1/2/3: DeepSpeed clips and skips, the guard checks
@@ -310,6 +327,8 @@ class Trainer:
         if cfg.train.compile:   # in place: checkpoints keep their names (training/compilation.py)
             compile_engine(self.engine, cfg)
         self.device = getattr(self.engine, "device", "cpu")
+        if self.distill is not None:
+            self.distill.teacher.to(self.device)
         self.timer = StepTimer(self.device)
         self.wandb_run_id = None   # continued from the checkpoint resumed (training/metrics.py)
         self.train_data = self._datasets()
@@ -383,10 +402,13 @@ class Trainer:
     def _index_cache(self) -> Path:
         return index_cache_dir(self.cfg)
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+    def _loss(self, batch: torch.Tensor, training: bool = False) -> torch.Tensor:
         """The forward and self.loss of one micro-batch (the plain engine; PP > 1 runs the same
-        loss on its last stage), reported to the non-finite guard."""
+        loss on its last stage), reported to the non-finite guard. `training` with train.distill:
+        the distillation loss instead (validation reports the student's own next-token loss)."""
         inputs, labels = batch[:, :-1], batch[:, 1:]
+        if training and self.distill is not None:
+            return self.guard.observe_loss(self._distillation_loss(inputs, labels))
         extra, mask = self.documents.model_inputs(inputs), self.loss.mask(inputs)
         if self.context is not None:   # this rank's block of every tensor (documents found on the whole sample)
             inputs, labels = split_sequence(inputs, self.context), split_sequence(labels, self.context)
@@ -400,6 +422,16 @@ class Trainer:
         with self._autocast(batch.device):
             logits = self.engine(inputs, **extra)
         return self.guard.observe_loss(self.loss(logits, labels, mask))
+
+    def _distillation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """train.distill's loss of one micro-batch (training/distill.py; no pipeline, context
+        parallelism or fused loss there: refused at start)."""
+        extra, mask = self.documents.model_inputs(inputs), self.loss.mask(inputs)
+        with self._autocast(inputs.device):
+            if self.distill.stage == DistillStage.layers:
+                return self.distill.layers_loss(self.engine.module, inputs, extra)
+            logits = self.engine(inputs, **extra)
+            return self.distill.logits_loss(logits, inputs, extra, self.loss(logits, labels, mask), mask)
 
     def _autocast(self, device):
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
@@ -517,7 +549,7 @@ class Trainer:
         total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
         for batch in self._micro_batches(self.train_data, self.sampler, self.layout.gradient_accumulation):
             with self.timer.phase("forward"):
-                loss = self._loss(batch)
+                loss = self._loss(batch, training=True)
             with self.timer.phase("backward"):   # with the gradient reduction at the boundary
                 self.engine.backward(loss)
             with self.timer.phase("optimizer"):
@@ -541,7 +573,7 @@ class Trainer:
         start_step = self.step
         metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0, start_step=start_step,
                           wandb_run_id=self.wandb_run_id, metrics_record=getattr(self, "metrics_record", None),
-                          resumed=self.resume_from is not None)
+                          resumed=self.resume_from is not None and not finetunes(self.cfg, self.resume_from))
         self.metrics = metrics   # its file's position goes into each checkpoint
         self.wandb_run_id = metrics.wandb_run_id or self.wandb_run_id   # kept in the checkpoints
         metrics.header(self.cfg, start_step)
@@ -713,7 +745,11 @@ class Trainer:
                 **({"mqar": dataclasses.asdict(d.mqar)} if d.source == DataSource.mqar else {})}
 
     def load_checkpoint(self, root) -> None:
-        """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py)."""
+        """Resume from `root`/latest, at this or another layout (checkpoint/engine_io.py); with
+        train.finetune from another run's folder, its weights only, and the run starts at step 0."""
+        if finetunes(self.cfg, root):
+            engine_io.load_weights_of(self, root)
+            return
         client = engine_io.load(self, root)
         self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
         self.wandb_run_id = client.wandb_run_id

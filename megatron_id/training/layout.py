@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ..config import Config, ConfigError
 from ..parallel.layout import check_layout
 from .compilation import check_compile_config
+from .distill import check_distill_layout
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,10 @@ def training_layout(cfg: Config, world_size: int) -> Layout:
     iters = math.ceil(t.train_tokens / tokens_per_step)
     if iters < 1:
         raise ConfigError(f"train.train_tokens={t.train_tokens} is less than one step.")
-    return Layout(tp, pp, dp, t.micro_batch_size, t.global_batch_size // per_step,
-                  t.global_batch_size, tokens_per_step, iters, cp)
+    layout = Layout(tp, pp, dp, t.micro_batch_size, t.global_batch_size // per_step,
+                    t.global_batch_size, tokens_per_step, iters, cp)
+    check_distill_layout(cfg, layout)   # what a teacher beside the student cannot run with
+    return layout
 
 
 def check_context_parallel(cfg: Config, dp_and_cp: int) -> int:

@@ -39,6 +39,10 @@ replicated; vocabulary padded as parallel/tensor_parallel.py pads it):
                benchmarks/plan_coefficients.py. The softmax fp32 numbers match a count by hand:
                9.5 d + 4 f floats per token besides the input (norm outputs, q k v, their RoPE
                outputs, the SDPA output, the SwiGLU's w1, w3, silu and product).
+               Grouped-query attention (model.n_kv_heads) changes P (k_proj and v_proj are
+               built n_kv_heads wide; P comes from the built model) but not these bytes: SDPA
+               saves k and v repeated to every query head (counted as above: the same bytes in
+               fp32, 1-7 d per token fewer under bf16 autocast), so the softmax coefficients stand.
                Activation checkpointing keeps only each block's input (4 b N d) and recomputes
                one block at a time, so a stage holds layers x 4 b N d + one block's activations.
 - pipeline     1F1B: the first stage holds min(PP, gradient accumulation) micro-batches in flight

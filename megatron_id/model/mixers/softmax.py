@@ -5,7 +5,8 @@ KV cache keeps only those: a constant-size state once full.
 Grouped-query attention (model.n_kv_heads, Llama's): k_proj and v_proj make n_kv_heads heads,
 each read by G = n_heads / n_kv_heads consecutive query heads (query head i reads kv head i // G,
 HF's repeat_kv); keys and values are cached at n_kv_heads and repeated (repeat_interleave) just
-before each attention call, so the cache is G times smaller. Without it (G = 1) nothing is
+before each attention call, so the cache is G times smaller (a call over the cache on CPU reads
+it in place instead, bit for bit the same: `cached_attention`). Without it (G = 1) nothing is
 repeated: the same ops as multi-head attention. Under TP a rank's n_heads / TP contiguous query
 heads read exactly its n_kv_heads / TP key/value heads (k_proj, v_proj are cut by output
 features like q_proj). model.qkv_bias (Qwen2's) adds biases to q, k and v (zero at init).
@@ -16,6 +17,8 @@ documents or a window, else FlexAttention (CUDA) or the blockwise form (CPU), ne
 the cached keys (at most [N, window + N] with a window).
 """
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,24 @@ def repeat_kv(k: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
     """Each key/value head repeated `groups` times in place along the heads' `dim` (kv head j
     becomes heads j G .. j G + G - 1: HF's repeat_kv); groups 1 returns `k` itself."""
     return k if groups == 1 else k.repeat_interleave(groups, dim=dim)
+
+
+# SDPA's enable_gqa (torch >= 2.5; setup.py allows 2.3, and an export runs on the user's torch)
+_SDPA_GQA = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 5)
+
+
+def cached_attention(q, k, v, groups: int, mask=None):
+    """SDPA of q [B, H, N, Dh] over the cached keys and values k, v [B, L, Hkv, Dh] (the
+    cache's layout), query head i reading kv head i // groups. On CPU, SDPA's enable_gqa reads
+    each kv head for its G query heads in place: the same kernel and the same numbers, bit for
+    bit (tests/test_gqa.py), as on the repeated copy, without the G-times copy of the whole cache
+    each decoded token would otherwise make. Elsewhere (CUDA, where enable_gqa changes which
+    kernel runs, hence the bits; an older torch) the cache is repeated as before."""
+    if groups > 1 and _SDPA_GQA and q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                              enable_gqa=True)
+    kt, vt = (repeat_kv(t, groups, 2).transpose(1, 2) for t in (k, v))   # [B, H, L, Dh]
+    return F.scaled_dot_product_attention(q, kt, vt, attn_mask=mask)
 
 
 @mixer_module("softmax")
@@ -94,8 +115,8 @@ class SoftmaxAttention(nn.Module):
             k, v = torch.cat([state["k"], k], dim=1), torch.cat([state["v"], v], dim=1)
         groups = q.shape[2] // k.shape[2]   # query heads per key/value head (1: no GQA)
         qt = q.transpose(1, 2)
-        kt, vt = (repeat_kv(t, groups, 2).transpose(1, 2) for t in (k, v))   # [B, H, L, Dh]; the cache keeps Hkv
         if not state and start is None:   # a whole sequence (training, a first prefill)
+            kt, vt = (repeat_kv(t, groups, 2).transpose(1, 2) for t in (k, v))   # [B, H, L, Dh]; the cache keeps Hkv
             o = causal_attention(qt, kt, vt, seq_idx, self.window)
         else:   # continuing a cache, or left padding: the mask over the cached and new keys
             query_pos = pos + torch.arange(N, device=x.device)
@@ -108,7 +129,7 @@ class SoftmaxAttention(nn.Module):
             # one new token sees every cached key unless the window cuts the cache (decided by
             # shapes: no device sync per decoded token)
             sees_all = N == 1 and start is None and (self.window is None or k.shape[1] <= self.window)
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=None if sees_all else mask)
+            o = cached_attention(qt, k, v, groups, None if sees_all else mask)   # the cache stays at Hkv
         y = self.o_proj(o.transpose(1, 2).reshape(B, N, -1))   # -1: local heads under TP
         if not return_state:
             return y
