@@ -402,13 +402,17 @@ class Trainer:
     def _index_cache(self) -> Path:
         return index_cache_dir(self.cfg)
 
-    def _loss(self, batch: torch.Tensor, training: bool = False) -> torch.Tensor:
+    def _training_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """The loss a training micro-batch steps on: _loss's, or with train.distill the
+        distillation loss (validation keeps _loss: the student's own next-token loss)."""
+        if self.distill is None:
+            return self._loss(batch)
+        return self.guard.observe_loss(self._distillation_loss(batch[:, :-1], batch[:, 1:]))
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The forward and self.loss of one micro-batch (the plain engine; PP > 1 runs the same
-        loss on its last stage), reported to the non-finite guard. `training` with train.distill:
-        the distillation loss instead (validation reports the student's own next-token loss)."""
+        loss on its last stage), reported to the non-finite guard."""
         inputs, labels = batch[:, :-1], batch[:, 1:]
-        if training and self.distill is not None:
-            return self.guard.observe_loss(self._distillation_loss(inputs, labels))
         extra, mask = self.documents.model_inputs(inputs), self.loss.mask(inputs)
         if self.context is not None:   # this rank's block of every tensor (documents found on the whole sample)
             inputs, labels = split_sequence(inputs, self.context), split_sequence(labels, self.context)
@@ -549,7 +553,7 @@ class Trainer:
         total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
         for batch in self._micro_batches(self.train_data, self.sampler, self.layout.gradient_accumulation):
             with self.timer.phase("forward"):
-                loss = self._loss(batch, training=True)
+                loss = self._training_loss(batch)
             with self.timer.phase("backward"):   # with the gradient reduction at the boundary
                 self.engine.backward(loss)
             with self.timer.phase("optimizer"):
