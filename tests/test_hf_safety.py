@@ -7,6 +7,7 @@ and atomically. And the SSM parameters of an export stay float32 when it is load
 """
 import json
 import os
+import random
 import re
 import shutil
 
@@ -447,9 +448,10 @@ def test_a_sampled_check_reads_a_few_chunks_and_a_full_one_every_byte(tmp_path, 
     assert integrity.verify_folder_files(tmp_path, entries, sampled_chunks=3) == []
     _damage_in_place(tmp_path / "w.bin", 4 * 4096 + 7, 10)
     # a sample of 3 (first, last, one other) may miss chunk 4; every chunk, or every byte, does not
-    problems = integrity.verify_folder_files(tmp_path, entries, sampled_chunks=10)
-    assert problems == [f"{tmp_path / 'w.bin'} is damaged (bytes 16,384-20,479 differ from manifest.json's sha256 "
-                        f"of them)"]
+    for seed in range(20):   # a sample of all 10 reads all 10, whatever the draw
+        problems = integrity.verify_folder_files(tmp_path, entries, sampled_chunks=10, rng=random.Random(seed))
+        assert problems == [f"{tmp_path / 'w.bin'} is damaged (bytes 16,384-20,479 differ from manifest.json's sha256 "
+                            f"of them)"]
     assert "sha256 differs" in integrity.verify_folder_files(tmp_path, entries, sampled_chunks=None)[0]
     _damage_in_place(tmp_path / "w.bin", 9 * 4096, 1)   # the last chunk is always in the sample
     assert "bytes 36,864-40,959" in integrity.verify_folder_files(tmp_path, entries, sampled_chunks=2)[0]

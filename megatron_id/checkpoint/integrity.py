@@ -187,7 +187,10 @@ def verify_folder_files(folder: Path, manifest: dict, sampled_chunks: int | None
             if file_digest(path) != entry["sha256"]:
                 problems.append(f"{path} is damaged (its sha256 differs from {MANIFEST}'s)")
             continue
-        picks = sorted({0, len(chunks) - 1, *rng.sample(range(len(chunks)), min(sampled_chunks, len(chunks)) - 2)})
+        # the first and the last chunk always, then others drawn from between them (drawing from
+        # every chunk could pick the ends again and read fewer than `sampled_chunks`)
+        middle = range(1, len(chunks) - 1)
+        picks = sorted({0, len(chunks) - 1, *rng.sample(middle, max(0, min(sampled_chunks - 2, len(middle))))})
         with open(path, "rb") as f:
             for index in picks:
                 f.seek(index * chunk_bytes)
