@@ -109,6 +109,9 @@ def teacher(fineweb_prefix, tmp_path_factory):
 def test_a_teacher_the_student_cannot_follow_is_refused_before_any_work(teacher, tmp_path):
     from megatron_id.training.distill import check_teacher
     cases = [(["model.layer_pattern=IA", "model.vocab_size=50000"], "has model.vocab_size=50257 and the student 50000"),
+             (["model.layer_pattern=IA", "model.make_vocab_size_divisible_by=0"],
+              r"pads its vocabulary to 50304 rows at TP=1 \(model.make_vocab_size_divisible_by=128\) and the student "
+              r"to 50257 .* set model.make_vocab_size_divisible_by=128 for the student"),
              (["model.layer_pattern=IAA", "model.n_layers=3", "train.distill.stage=layers"],
               r"n_layers=3 \(teacher 2\)"),
              (["model.mixer=softmax", "train.distill.stage=layers"], "there are none"),

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..checkpoint.files import read_client_state
+from ..checkpoint.files import ClientState, read_client_state
 from ..checkpoint.read import CheckpointNotFoundError, checkpoint_folder, iter_local_state
 from ..config import Config, ConfigError, DistillStage, TeacherDtype
 from ..data.tokenizer import MISMATCH_KEY, check_same_tokenizer, identity_of_file
@@ -81,7 +81,7 @@ class TeacherSource:
     path: Path
     cfg: ModelConfig
     folder: Path | None = None   # the checkpoint's iter_ folder (None: a transformers folder)
-    layout: dict | None = None   # the layout it was saved at
+    client: ClientState | None = None   # its client state, read once (layout, tokenizer)
 
     @classmethod
     def read(cls, path: str) -> "TeacherSource":
@@ -99,14 +99,14 @@ class TeacherSource:
         except CheckpointNotFoundError as err:
             raise ConfigError(f"{setting} is neither a training checkpoint nor a transformers folder: {err}") from None
         client = read_client_state(folder)
-        return cls(root, client.model_config(), folder, client.layout)
+        return cls(root, client.model_config(), folder, client)
 
     def tokenizer(self) -> tuple[str | None, str | None]:
         """(the identity of the tokenizer its ids mean, its file), either None when unknown."""
         if self.folder is None:
             path = self.path / "tokenizer.json"
             return (identity_of_file(str(path)), str(path)) if path.is_file() else (None, None)
-        client = read_client_state(self.folder)
+        client = self.client
         recorded = client.tokenizer_id
         if recorded is None and client.tokenizer and Path(client.tokenizer).is_file():
             recorded = identity_of_file(client.tokenizer)
@@ -115,7 +115,7 @@ class TeacherSource:
     def local_state(self, tp: int, rank: int, names: list[str]):
         """(name, this TP rank's slice) for every name, one tensor at a time."""
         if self.folder is not None:
-            yield from iter_local_state(self.folder, self.cfg, self.layout, tp, rank, names)
+            yield from iter_local_state(self.folder, self.cfg, self.client.layout, tp, rank, names)
             return
         weights = TransformersWeights(self.path)
         shard = weights.local_shard(weights.sources(self.cfg), self.cfg, tp, rank)
@@ -143,10 +143,17 @@ def check_teacher(cfg: Config, tp: int, run_tokenizer=None) -> TeacherSource:
             warn=lambda message: print(f"warning: {message}", file=sys.stderr, flush=True))
     teacher = source.cfg
     setting = f"train.distill.teacher={d.teacher}"
-    if padded_vocab_size(teacher, tp) != padded_vocab_size(student, tp) or teacher.vocab_size != student.vocab_size:
+    if teacher.vocab_size != student.vocab_size:
         raise ConfigError(f"{setting} has model.vocab_size={teacher.vocab_size} and the student "
                           f"{student.vocab_size}: the KL compares the same token ids; distil from the model the "
                           f"student was converted from (same tokenizer and vocabulary).")
+    if padded_vocab_size(teacher, tp) != padded_vocab_size(student, tp):
+        raise ConfigError(
+            f"{setting} pads its vocabulary to {padded_vocab_size(teacher, tp)} rows at TP={tp} "
+            f"(model.make_vocab_size_divisible_by={teacher.make_vocab_size_divisible_by}) and the student to "
+            f"{padded_vocab_size(student, tp)} (model.make_vocab_size_divisible_by="
+            f"{student.make_vocab_size_divisible_by}): the vocab-parallel KL pairs the same rows on each rank; set "
+            f"model.make_vocab_size_divisible_by={teacher.make_vocab_size_divisible_by} for the student.")
     if d.stage == DistillStage.layers:
         shape = ("d_model", "n_layers", "n_heads")
         differ = [f"model.{k}={getattr(student, k)} (teacher {getattr(teacher, k)})" for k in shape
