@@ -23,8 +23,11 @@ def _model(mixer, extra=()):
 def _tokens(documents: bool):
     g = torch.Generator().manual_seed(9)
     tokens = torch.randint(8, 64, (2, N), generator=g)
-    if documents:   # EOD (7) inside blocks, right before a block edge (24 at CP=2, 12/24/36 at CP=4)
-        for row, cols in ((0, [4, 11, 23, 30]), (1, [0, 17, 35, 46])):
+    # EOD (7) inside blocks, right before a block edge (24 at CP=2, 12/24/36 at CP=4), and two
+    # tokens before one (9, 21: the document starting after it crosses the edge, and the convs'
+    # window into the previous block must not reach the EOD before it)
+    if documents:
+        for row, cols in ((0, [4, 11, 23, 30]), (1, [0, 9, 17, 21, 35, 46])):
             tokens[row, cols] = 7
     return tokens
 

@@ -248,14 +248,20 @@ class InterdomainMixer(nn.Module):
         cp = self.context_parallel
         block = projected[1].shape[1]
         fresh = cp.fresh_start(seq_idx)   # a document begins at this block's first token
-        keep_rows = None if fresh is None else (~fresh).to(projected[1].dtype)
         names = ((("q_conv",) if self.query_readout else ())
                  + (("k_conv",) if self.dual_kv_input else ("a_conv", "b_conv")))
         inputs = ([projected[0]] if self.query_readout else []) + list(projected[1:2 if self.dual_kv_input else 3])
+        # [B, 1, K-1]: which of the previous block's last K-1 tokens are in this block's first
+        # document (seq_idx counts documents over the whole sample: an equal id is the same one;
+        # counts below 2^24 are exact in the float32 the gather carries)
+        same_document = None
+        if seq_idx is not None:
+            before = cp.previous_tail(seq_idx[..., None].float(), self.conv_kernel - 1)[..., 0]
+            same_document = (before == seq_idx[:, :1].float()).to(projected[1].dtype)[:, None, :]
         conv_in = {}
         for name, x in zip(names, inputs):
             tail = cp.previous_tail(x, self.conv_kernel - 1).transpose(1, 2)   # [B, C, K-1], the conv's state
-            conv_in[name] = tail if keep_rows is None else tail * keep_rows[:, None, None]
+            conv_in[name] = tail if same_document is None else tail * same_document
         rope_offset = cp.rank * block if position_ids is None else position_ids
         query, key, value = self._features(*projected, conv_in, {}, rope_offset, None, starts=starts)
         log_dt, a_log, a_im = self.core_parameters()[:3]
