@@ -89,6 +89,12 @@ class DataConfig:
     reset_position_ids: bool = False         # RoPE positions restart in every document
     eod_mask_loss: bool = False              # no loss for the token after an end-of-document token
     eod_token_id: Optional[int] = None       # None: the data's own (its .meta.json sidecar)
+    # each micro-batch row reads consecutive windows of the same documents, step after step, and
+    # every fixed-state layer's state (and conv tail) at the end of one window enters the next
+    # (truncated backpropagation through time; training/carry.py). Implies reset_attention_mask
+    # and reset_position_ids: a document's state and positions run on across windows and restart
+    # at its start. Interdomain / S4D layers only; not with pipeline or context parallelism yet
+    carry_state: bool = False
     # held-out sets evaluated beside the split's validation at every train.eval_interval, each a
     # data path (a prefix, or weight/prefix pairs) read whole, logged as valid/<name>/loss
     # (Megatron's --valid-data-path, named): data.valid_sets.wiki=[/data/wiki_text_document]
@@ -255,6 +261,11 @@ class TrainConfig:
     # checkpoints: copy to host memory, then write in the background (the same staging, manifest
     # and `latest` protocol; the next save, and the end of the run, wait for it)
     async_save: bool = False
+    # data.carry_state: each row's model.seq_length tokens run as this many windows in order, the
+    # state carried between them with its gradient (the gradient reaches back that many windows;
+    # between steps it always stops). Same function as one window of seq_length; a knob of the
+    # state's gradient reach against the window the core sees at once
+    carry_grad_windows: int = 1
     # at the end of a run that reached train_iters: export the last checkpoint to this Hugging
     # Face folder (the rules of megatron-id export-hf; needs train.save and data.tokenizer)
     export_hf_at_end: Optional[str] = None

@@ -31,8 +31,9 @@ from ..config import ConfigError
 from ..errors import DiskFullError, is_disk_full
 from ..model import LanguageModel
 from ..parallel.pipeline import from_model_names, pipeline_state_dict
+from ..training.carry import CARRIED_FILE
 from . import reshard, space
-from .background import BackgroundSave, host_copy_engine
+from .background import BackgroundSave, host_copy_engine, write_file
 from .deepspeed_files import safe_load
 from .files import (
     STAGING,
@@ -80,9 +81,11 @@ def save(trainer, root, client: ClientState, background: bool = False):
     dist.barrier()
     if background:
         return _save_in_background(trainer, root, staged, client)
+    carried = _carried_state(trainer, staged)
     try:
         needed = space.agree_on_room(root, tag, space.measure(trainer, root, tag, client.weights_only,
-                                                              _weights_only_files))
+                                                              _weights_only_files)
+                                     + (space.tensor_bytes(carried[1]) if carried else 0))
     except DiskFullError:
         if rank0:
             space.remove_partial(root, staged)
@@ -97,6 +100,8 @@ def save(trainer, root, client: ClientState, background: bool = False):
             trainer.engine.save_checkpoint(str(root / STAGING), tag=tag, save_latest=False)
         if trainer.cfg.train.reshardable_optimizer and not client.weights_only:
             reshard.save(trainer, staged)
+        if carried:
+            write_file(carried[1], str(carried[0]))
         if rank0:
             write_client_state(staged, client)
         dist.barrier()   # every rank's files are written
@@ -122,6 +127,9 @@ def _save_in_background(trainer, root: Path, staged: Path, client: ClientState):
             engine.save_checkpoint(str(root / STAGING), tag=staged.name, save_latest=False)
     finally:
         engine.checkpoint_engine = original
+    carried = _carried_state(trainer, staged)
+    if carried:   # (already on the host: the thread writes it with DeepSpeed's files)
+        host.files.append((str(carried[0]), carried[1]))
     rank0 = dist.get_rank() == 0
     reshardable = trainer.cfg.train.reshardable_optimizer and not client.weights_only
     # the host copies are what the thread writes: sized, and refused before anything is written
@@ -205,17 +213,50 @@ def _say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def load(trainer, root) -> ClientState:
-    """Load `root`/latest into the trainer's engine; returns its client state (the caller takes
-    step, evaluations, skipped steps and RNG from it)."""
-    root = Path(root)
+def _carried_state(trainer, staged: Path):
+    """data.carry_state: (this rank's file, the state its rows carry into the next step), on the
+    host; None without it."""
+    carry = getattr(trainer, "carry", None)
+    if carry is None:
+        return None
+    return staged / CARRIED_FILE.format(dist.get_rank()), carry.state_dict(carried_layout(trainer))
+
+
+def carried_layout(trainer) -> dict:
+    """What decides which rows and heads each rank's carried state holds."""
+    layout = trainer.layout
+    return {"tensor": layout.tensor, "data": layout.data, "micro_batch_size": layout.micro_batch_size,
+            "gradient_accumulation": layout.gradient_accumulation, "world": dist.get_world_size()}
+
+
+def load_carried_state(trainer, root) -> bool:
+    """This rank's rows continue from `root`/latest's carried state (data.carry_state); False
+    when the checkpoint has none (saved without carry: every row starts from zero)."""
+    path = latest_folder(Path(root)) / CARRIED_FILE.format(dist.get_rank())
+    if not path.is_file():
+        return False
+    trainer.carry.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
+                                  carried_layout(trainer), path, trainer.device)
+    return True
+
+
+def _verified_latest(trainer, root: Path) -> tuple[Path, ClientState, dict]:
+    """`root`/latest, checked against its manifest: its folder, client state and the layout it was
+    saved at (this run's when it predates recorded layouts)."""
     path = latest_folder(root)
     if path is None:
         raise CheckpointError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
     verify(path)
     client = read_client_state(path)
+    return path, client, client.layout or current_layout(trainer)
+
+
+def load(trainer, root) -> ClientState:
+    """Load `root`/latest into the trainer's engine; returns its client state (the caller takes
+    step, evaluations, skipped steps and RNG from it)."""
+    root = Path(root)
+    path, client, saved = _verified_latest(trainer, root)
     current = current_layout(trainer)
-    saved = client.layout or current
     want_optimizer = trainer.cfg.train.load_optimizer
     if client.weights_only:   # import-hf, train.save_optimizer=false or a step-0 save: no optimizer state
         if want_optimizer and client.step > 0:
@@ -251,12 +292,7 @@ def load(trainer, root) -> ClientState:
 def load_weights_of(trainer, root) -> None:
     """train.finetune: the weights of `root`/latest alone (any layout); the run keeps its own step 0,
     data position, RNG and fresh optimizer state."""
-    path = latest_folder(Path(root))
-    if path is None:
-        raise CheckpointError(f"{root} has no `latest` checkpoint pointer: not a train.save folder.")
-    verify(path)
-    client = read_client_state(path)
-    saved = client.layout or current_layout(trainer)
+    path, client, saved = _verified_latest(trainer, Path(root))
     load_weights(trainer, path, saved)
     _say(f"loaded the weights of {path} (step {client.step}, saved at {describe(saved)}) into "
          f"{describe(current_layout(trainer))}: train.finetune starts a new run at step 0 with fresh Adam state")

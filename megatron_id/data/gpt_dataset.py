@@ -186,7 +186,11 @@ class GPTDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> np.ndarray:
-        j = int(self.shuffle_idx[i])
+        return self.in_stream_order(int(self.shuffle_idx[i]))
+
+    def in_stream_order(self, j: int) -> np.ndarray:
+        """Sample j of the unshuffled order: tokens [j x seq_length, (j + 1) x seq_length] of the
+        shuffled documents' stream (StreamOrder reads consecutive ones)."""
         (first, first_off), (last, last_off) = self.sample_idx[j], self.sample_idx[j + 1]
         if first == last:
             return self.indexed.get(int(self.doc_idx[first]), int(first_off),
@@ -198,7 +202,9 @@ class GPTDataset:
 
     def locate(self, i: int, k: int) -> tuple[Path, int, int]:
         """Where token k of sample i comes from: (.bin path, sequence, offset in the sequence)."""
-        j = int(self.shuffle_idx[i])
+        return self.locate_in_stream_order(int(self.shuffle_idx[i]), k)
+
+    def locate_in_stream_order(self, j: int, k: int) -> tuple[Path, int, int]:
         position, offset = int(self.sample_idx[j][0]), int(self.sample_idx[j][1])
         while True:
             sequence = int(self.doc_idx[position])
@@ -206,6 +212,31 @@ class GPTDataset:
             if k < left:
                 return self.indexed.bin_path, sequence, offset + k
             k, position, offset = k - left, position + 1, 0
+
+
+class StreamOrder:
+    """data.carry_state's order of a GPTDataset (training/carry.py): row r of every global batch
+    of `rows` reads stream r, the unshuffled samples r x S, r x S + 1, ... (S = samples // rows):
+    consecutive windows of the same documents, step after step. The documents are shuffled as
+    always; the samples are not (a shuffle would break the streams). Index i is what
+    PretrainingSampler hands out: step i // rows, row i % rows."""
+
+    def __init__(self, dataset: GPTDataset, rows: int):
+        self.dataset, self.rows = dataset, rows
+        self.steps = len(dataset) // rows
+
+    def __len__(self) -> int:
+        return self.steps * self.rows
+
+    def _unshuffled(self, i: int) -> int:
+        step, row = divmod(i, self.rows)
+        return row * self.steps + step
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.dataset.in_stream_order(self._unshuffled(i))
+
+    def locate(self, i: int, k: int) -> tuple[Path, int, int]:
+        return self.dataset.locate_in_stream_order(self._unshuffled(i), k)
 
 
 class BlendedDataset:

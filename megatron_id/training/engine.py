@@ -60,6 +60,7 @@ from ..checkpoint.rules import SaveLock, check_resume_batch, check_save_and_load
 from ..config import Config, ConfigError, DataSource, DistillStage
 from ..data.gpt_dataset import (
     PretrainingSampler,
+    StreamOrder,
     build_gpt_datasets,
     check_batch_token_ids,
     check_data,
@@ -75,6 +76,7 @@ from ..parallel.context_parallel import ContextParallel, apply_context_parallel,
 from ..parallel.pipeline import pipeline_model
 from ..parallel.tensor_parallel import parallel_model
 from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
+from .carry import CarriedRows
 from .compilation import check_compile_toolchain, compile_engine
 from .distill import Distillation, check_teacher
 from .distributed import (
@@ -86,7 +88,7 @@ from .distributed import (
     skip_deepspeed_shm_build,
     uses_cuda,
 )
-from .documents import DocumentOptions, document_index
+from .documents import DocumentOptions, document_index, resolve_eod_id
 from .layout import deepspeed_config, training_layout
 from .loss import LanguageModelLoss
 from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
@@ -285,6 +287,10 @@ class Trainer:
                                            self.layout.context)
         self.pipelined = self.layout.pipe > 1
         self.documents = DocumentOptions.from_config(cfg.data)   # packed documents (off by default)
+        self.carry = None   # data.carry_state: each row's state, carried from step to step
+        if cfg.data.carry_state:
+            self.carry = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size,
+                                     resolve_eod_id(cfg.data), cfg.train.carry_grad_windows)
         self.mqar = (MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size)
                      if cfg.data.source == DataSource.mqar else None)
         # the one loss of every path: _loss below (plain engine) and the pipeline's last stage
@@ -393,6 +399,8 @@ class Trainer:
         cache, patience = self._index_cache(), 60 * self.cfg.train.collective_timeout_minutes
         train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
                                                        self.cfg.model.seq_length, self.cfg.seed, cache, patience)
+        if d.carry_state:   # each row of the global batch reads its own stream of consecutive windows
+            train = StreamOrder(train, self.layout.global_batch_size)
         # each named set read whole (its own "valid" split of 100%), as many samples as the split's
         self.valid_sets = {name: build_gpt_datasets(path, "0,100,0", (0, n_valid, 0), self.cfg.model.seq_length,
                                                     self.cfg.seed, cache, patience)[1]
@@ -405,9 +413,25 @@ class Trainer:
     def _training_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The loss a training micro-batch steps on: _loss's, or with train.distill the
         distillation loss (validation keeps _loss: the student's own next-token loss)."""
+        if self.carry is not None:
+            return self._carried_loss(batch)
         if self.distill is None:
             return self._loss(batch)
         return self.guard.observe_loss(self._distillation_loss(batch[:, :-1], batch[:, 1:]))
+
+    def _carried_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """data.carry_state: the micro-batch's rows continue from the state their previous windows
+        left (training/carry.py; it finds the documents itself, as reset_attention_mask and
+        reset_position_ids would)."""
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        mask = self.loss.mask(inputs)
+        with self._autocast(inputs.device):
+            if self.loss.fused:
+                hidden = self.carry.forward(self.engine, inputs, return_hidden=True)
+                loss = self.loss(hidden, labels, mask, lm_head=self.engine.module.lm_head)
+            else:
+                loss = self.loss(self.carry.forward(self.engine, inputs), labels, mask)
+        return self.guard.observe_loss(loss)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The forward and self.loss of one micro-batch (the plain engine; PP > 1 runs the same
@@ -756,6 +780,9 @@ class Trainer:
             return
         client = engine_io.load(self, root)
         self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
+        if self.carry is not None and not engine_io.load_carried_state(self, root) and dist.get_rank() == 0:
+            print(f"{root}: its checkpoint holds no carried state (saved without data.carry_state): every row "
+                  f"starts its next window from zero", file=sys.stderr, flush=True)
         self.wandb_run_id = client.wandb_run_id
         self.metrics_record = client.metrics_file   # what a resume may trim of train.metrics_file
         if client.rng is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ..config import Config, ConfigError
 from ..parallel.layout import check_layout
+from .carry import check_carry_layout
 from .compilation import check_compile_config
 from .distill import check_distill_layout
 
@@ -97,6 +98,7 @@ def training_layout(cfg: Config, world_size: int) -> Layout:
     layout = Layout(tp, pp, dp, t.micro_batch_size, t.global_batch_size // per_step,
                     t.global_batch_size, tokens_per_step, iters, cp)
     check_distill_layout(cfg, layout)   # what a teacher beside the student cannot run with
+    check_carry_layout(cfg, layout)     # what data.carry_state cannot run with
     return layout
 
 

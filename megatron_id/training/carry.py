@@ -1,0 +1,206 @@
+"""data.carry_state: each row's fixed state carried from one training window to the next
+(truncated backpropagation through time, as recurrent language models were trained).
+
+A fixed-state mixer (interdomain, S4D) reads a document longer than its window when the state
+it reached at the end of one window enters the next. What a row carries (`RowStates`):
+
+    layers         every layer's state, as LanguageModel.forward(return_states=True) returns it
+                   (the complex S4D state [B, H, M, P] and the short convs' last K-1 inputs)
+    position       [B] the next token's position in its document (RoPE's, counted across windows)
+    ends_document  [B] the window ended with the end-of-document token: the next window's first
+                   token starts a new document, so that row's state is zeroed before it
+
+Inside a window the packed-document rules hold as with data.reset_attention_mask and
+data.reset_position_ids (both implied): the state and the convs restart at every document
+start, positions count from it. A row's first window starts from zero.
+
+`window_model_inputs` gives a window's seq_idx / position_ids and zeroes the state of the rows
+that start a document; `carried_forward` runs a sequence as consecutive windows (the gradient
+reaches through all of them, or stops at each boundary with detach=True). One forward of a whole
+document and the same document in windows with the state carried compute the same function
+(tests/test_carry.py, to 1e-10 in float64, every form of the core).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .documents import document_index
+
+
+@dataclass
+class RowStates:
+    layers: list[dict] | None         # None: every row starts from zero (the first window)
+    position: torch.Tensor            # [B] int64
+    ends_document: torch.Tensor       # [B] bool
+
+    @classmethod
+    def fresh(cls, rows: int, device=None) -> "RowStates":
+        return cls(None, torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.ones(rows, dtype=torch.bool, device=device))
+
+    def detached(self) -> "RowStates":
+        """The same values without their history (the gradient stops at this boundary)."""
+        return RowStates(None if self.layers is None else [_map_state(s, lambda t: t.detach()) for s in self.layers],
+                         self.position, self.ends_document)
+
+
+def _map_state(state: dict, fn) -> dict:
+    """fn on every tensor of one layer's state ({'ssm', 'conv': {name: tail}, 'pos', 'tables'})."""
+    out = dict(state)
+    if state.get("ssm") is not None:
+        out["ssm"] = fn(state["ssm"])
+    out["conv"] = {name: fn(tail) for name, tail in state.get("conv", {}).items()}
+    out["tables"] = None   # the decode loop's parameter tables: never carried between windows
+    return out
+
+
+def keep_rows(states: list[dict], keep: torch.Tensor) -> list[dict]:
+    """Each layer's state with the rows where `keep` [B] is False zeroed (a where(), not a
+    product: a non-finite value of an ended document cannot leak into the next)."""
+    def masked(t):
+        return torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, torch.zeros((), dtype=t.dtype, device=t.device))
+    return [_map_state(s, masked) for s in states]
+
+
+def window_model_inputs(tokens: torch.Tensor, eod_id: int, carried: RowStates) -> tuple[dict, RowStates]:
+    """For input tokens [B, N] of the window after `carried`: the model's keyword arguments
+    (states, seq_idx, position_ids) and what to carry into the window after this one (its
+    `layers` filled in by the forward)."""
+    seq_idx, positions = document_index(tokens, eod_id)
+    continues = ~carried.ends_document
+    offset = torch.where(continues, carried.position, 0)
+    position_ids = positions + torch.where(seq_idx == 0, offset[:, None], 0)
+    states = None if carried.layers is None else keep_rows(carried.layers, continues)
+    after = RowStates(None, position_ids[:, -1] + 1, tokens[:, -1] == eod_id)
+    return {"states": states, "seq_idx": seq_idx, "position_ids": position_ids}, after
+
+
+def carried_forward(model, tokens: torch.Tensor, eod_id: int, carried: RowStates, windows: int = 1,
+                    detach: bool = False, **forward_kwargs) -> tuple[torch.Tensor, RowStates]:
+    """The logits of input tokens [B, N] run as `windows` consecutive windows of N / windows
+    tokens, each starting from the state the previous one left (the first from `carried`).
+    Returns (logits [B, N, V], what the last window leaves). detach: the gradient stops at every
+    window boundary (it always stops at the returned state's: detach it before the next step)."""
+    if tokens.shape[1] % windows:
+        raise ValueError(f"{tokens.shape[1]} tokens do not split into {windows} equal windows")
+    outputs = []
+    for piece in tokens.chunk(windows, dim=1):
+        if detach:
+            carried = carried.detached()
+        kwargs, after = window_model_inputs(piece, eod_id, carried)
+        logits, after.layers = model(piece, return_states=True, **kwargs, **forward_kwargs)
+        outputs.append(logits)
+        carried = after
+    return torch.cat(outputs, dim=1), carried
+
+
+# ------------------------------------------------------------ in the trainer
+
+CARRIED_FILE = "carried_state_rank{:05d}.pt"
+
+
+def check_carry_layout(cfg, layout) -> None:
+    """data.carry_state against the rest of the run, before any work (training/layout.py)."""
+    from ..config import ConfigError, DataSource
+    from ..model.pattern import layer_mixer
+    d, t, m = cfg.data, cfg.train, cfg.model
+    if not d.carry_state:
+        if t.carry_grad_windows != 1:
+            raise ConfigError(f"train.carry_grad_windows={t.carry_grad_windows} splits each row into windows "
+                              f"with the state carried between them: set data.carry_state=true, or leave it at 1.")
+        return
+    where = "data.carry_state=true"
+    softmax = sorted({layer_mixer(m, i) for i in range(m.n_layers)} & {"softmax", "sliding"})
+    why = {
+        t.carry_grad_windows < 1 or m.seq_length % max(t.carry_grad_windows, 1): (
+            f"train.carry_grad_windows={t.carry_grad_windows}", f"it must be >= 1 and divide model.seq_length="
+            f"{m.seq_length} into equal windows"),
+        bool(softmax): (f"{'/'.join(softmax)} layers (model.layer_pattern={m.layer_pattern})",
+                        "their state is a KV cache that grows with every window; carry runs interdomain and S4D "
+                        "layers (letters I and S)"),
+        layout.pipe > 1: (f"parallel.pipeline_model_parallel_size={layout.pipe}",
+                          "the carried state would have to stay with each stage's layers; use TP x DP"),
+        layout.context > 1: (f"parallel.context_parallel_size={layout.context}",
+                             "the carried state does not enter the first block's scan yet; use TP x DP"),
+        d.source != DataSource.gpt: (f"data.source={d.source.value}", "it reads streams of documents from "
+                                     "data.data_path"),
+        d.source == DataSource.gpt and len(d.data_path) > 1: (   # (a weight, a prefix, ...)
+            "a blend of several data.data_path prefixes", "a row's stream comes from one dataset; give one prefix"),
+        t.distill.teacher is not None: ("train.distill", "the teacher would need the same carried state"),
+        t.activation_checkpointing: ("train.activation_checkpointing=true",
+                                     "a block recomputed in the backward would run without its carried state"),
+        t.compile: ("train.compile=true", "the compiled forward takes no carried state"),
+    }
+    for refused, (setting, reason) in why.items():
+        if refused:
+            raise ConfigError(f"{where} cannot run with {setting}: {reason}.")
+
+
+class CarriedRows:
+    """The state every row of this rank's micro-batches carries into the next step: one
+    RowStates per micro-batch of the step (micro-batch m of every step continues the same rows:
+    StreamOrder keeps each row's stream in its place of the global batch)."""
+
+    def __init__(self, micro_batches: int, rows: int, eod_id: int, windows: int):
+        self.eod_id, self.windows, self.rows = eod_id, windows, rows
+        self.states = [RowStates.fresh(rows) for _ in range(micro_batches)]
+        self.next = 0   # the micro-batch of the step that runs next
+        self.restarted = 0   # rows restarted because their state was not finite
+
+    def forward(self, model, tokens: torch.Tensor, **forward_kwargs) -> torch.Tensor:
+        """The model's output for this micro-batch's input tokens, from and into its rows' state."""
+        m = self.next
+        carried = self.states[m]
+        if carried.position.device != tokens.device:
+            carried = RowStates(carried.layers, carried.position.to(tokens.device),
+                                carried.ends_document.to(tokens.device))
+        out, after = carried_forward(model, tokens, self.eod_id, carried, self.windows, **forward_kwargs)
+        self.states[m] = self._finite(after.detached())
+        self.next = (m + 1) % len(self.states)
+        return out
+
+    def _finite(self, carried: RowStates) -> RowStates:
+        """A row whose state is not finite (a step the guard will skip) starts its next window from
+        zero, as at a document start, instead of carrying the NaN on."""
+        finite = torch.ones(self.rows, dtype=torch.bool, device=carried.position.device)
+        for layer in carried.layers:
+            for t in [layer["ssm"], *layer["conv"].values()]:
+                finite &= torch.isfinite(torch.view_as_real(t) if t.is_complex() else t).flatten(1).all(1)
+        if bool(finite.all()):
+            return carried
+        self.restarted += int((~finite).sum())
+        return RowStates(keep_rows(carried.layers, finite), torch.where(finite, carried.position, 0),
+                         carried.ends_document | ~finite)
+
+    def state_dict(self, layout: dict) -> dict:
+        """What a checkpoint keeps of this rank's rows (plain tensors: loads with weights_only)."""
+        def plain(carried: RowStates) -> dict:
+            layers = None if carried.layers is None else [
+                {"ssm": s["ssm"].cpu(), "conv": {k: v.cpu() for k, v in s["conv"].items()}, "pos": int(s["pos"])}
+                for s in carried.layers]
+            return {"layers": layers, "position": carried.position.cpu(),
+                    "ends_document": carried.ends_document.cpu()}
+        return {"layout": {**layout, "windows": self.windows}, "next": self.next,
+                "states": [plain(c) for c in self.states]}
+
+    def load_state_dict(self, saved: dict, layout: dict, path, device) -> None:
+        """Rows continue from a checkpoint's; saved at another layout they cannot (each rank's
+        rows and heads are its own): refused with the reason."""
+        from ..config import ConfigError
+        mine = {**layout, "windows": self.windows}
+        if saved["layout"] != mine:
+            differ = ", ".join(f"{k}: saved {saved['layout'].get(k)}, now {mine.get(k)}"
+                               for k in sorted(set(mine) | set(saved["layout"]))
+                               if saved["layout"].get(k) != mine.get(k))
+            raise ConfigError(f"{path} holds the carried state of every row (data.carry_state) for another layout "
+                              f"({differ}): each rank's rows and heads are its own. Resume at the saved layout, "
+                              f"or set data.carry_state=false to resume without it.")
+
+        def restore(plain: dict) -> RowStates:
+            layers = None if plain["layers"] is None else [
+                {"ssm": s["ssm"].to(device), "conv": {k: v.to(device) for k, v in s["conv"].items()},
+                 "pos": s["pos"], "tables": None} for s in plain["layers"]]
+            return RowStates(layers, plain["position"].to(device), plain["ends_document"].to(device))
+        self.states, self.next = [restore(p) for p in saved["states"]], saved["next"]

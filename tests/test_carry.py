@@ -1,0 +1,214 @@
+"""data.carry_state (training/carry.py): a sequence run as consecutive windows with each row's
+state carried equals one forward of the whole sequence.
+
+float64, every form of the core: one 1,024-token document in 4 windows of 256, the state
+carried and the gradient through all windows, gives the logits and every parameter gradient of
+one 1,024-token forward (< 1e-10); with the gradient stopped at each boundary, the same logits.
+Packed documents in windows (documents crossing window boundaries, a window that starts a new
+document) equal the packed one-forward with Megatron's reset_attention_mask /
+reset_position_ids. The Triton kernels under the interpreter: the same in float32 (< 1e-4).
+"""
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import CONFIGS, ROOT, relative_error
+from test_distill import _close
+
+GPT2 = ROOT / "tests" / "data" / "gpt2-tokenizer.json"
+TINY = CONFIGS / "model" / "tiny.yaml"
+
+EOD = 7
+
+
+def _model(tiny_config, form, mixer="interdomain", impl="autograd", dtype=torch.float64, **dims):
+    from megatron_id.model import LanguageModel
+    sizes = {"d_model": 16, "n_heads": 2, "n_layers": 2, "state_size": 5, "chunk_size": 16, **dims}
+    cfg = tiny_config(f"model.mixer={mixer}", *(f"model.{k}={v}" for k, v in sizes.items()), "model.vocab_size=64",
+                      f"model.core_impl={impl}")
+    return LanguageModel(cfg, form=form, seed=3).to(dtype)
+
+
+def _document(length, rows=2, eod_every=None, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(8, 64, (rows, length), generator=g)
+    if eod_every:   # documents of varied lengths; one ends exactly at a window boundary
+        for b, every in enumerate(eod_every):
+            tokens[b, every - 1::every] = EOD
+    return tokens
+
+
+def _logits_and_grads(model, fn, weight):
+    logits = fn()
+    grads = torch.autograd.grad((logits * weight).sum(), list(model.parameters()), allow_unused=True)
+    return logits.detach(), grads
+
+
+def _check(model, tokens, windows, tol, reset_documents):
+    from megatron_id.training.carry import RowStates, carried_forward
+    from megatron_id.training.documents import document_index
+    weight = torch.randn(*tokens.shape, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    weight = weight.to(next(model.parameters()).dtype)
+    extra = {}
+    if reset_documents:
+        seq_idx, positions = document_index(tokens, EOD)
+        extra = {"seq_idx": seq_idx, "position_ids": positions}
+    whole, whole_grads = _logits_and_grads(model, lambda: model(tokens, **extra), weight)
+    fresh = RowStates.fresh(tokens.shape[0])
+    carried, carried_grads = _logits_and_grads(
+        model, lambda: carried_forward(model, tokens, EOD, fresh, windows=windows)[0], weight)
+    assert relative_error(carried, whole) < tol
+    for (name, _), g, ref in zip(model.named_parameters(), carried_grads, whole_grads):
+        assert relative_error(g, ref) < tol, (name, relative_error(g, ref))
+    detached, detached_grads = _logits_and_grads(
+        model, lambda: carried_forward(model, tokens, EOD, fresh, windows=windows, detach=True)[0], weight)
+    assert relative_error(detached, whole) < tol
+    # the gradient stopped at the boundaries is another gradient (the state's path is cut)
+    differs = [relative_error(g, ref) for (name, _), g, ref in zip(model.named_parameters(), detached_grads,
+                                                                    whole_grads) if name.endswith("log_dt")]
+    assert max(differs) > 1e-6
+
+
+@pytest.mark.parametrize("mixer,form,impl", [("interdomain", "chunked", "autograd"),
+                                             ("interdomain", "chunked", "recompute"),
+                                             ("interdomain", "recurrent", "autograd"),
+                                             ("s4d", "chunked", "autograd")])
+def test_one_document_in_four_windows_equals_one_forward(tiny_config, mixer, form, impl):
+    model = _model(tiny_config, form, mixer, impl)
+    tokens = _document(1024 if form != "recurrent" else 256)   # (the recurrent form steps token by token)
+    _check(model, tokens, 4, 1e-10, reset_documents=False)
+
+
+@pytest.mark.parametrize("form,impl", [("chunked", "autograd"), ("recurrent", "autograd")])
+def test_packed_documents_in_windows_equal_the_packed_forward(tiny_config, form, impl):
+    """Row 0's documents are 64 tokens: one ends exactly at each window boundary (the next
+    window starts a new document, its row's state zeroed); row 1's (37) cross them."""
+    model = _model(tiny_config, form, "interdomain", impl)
+    tokens = _document(256, eod_every=(64, 37))
+    _check(model, tokens, 4, 1e-10, reset_documents=True)
+
+
+def test_what_a_window_carries(tiny_config):
+    """Positions continue across a boundary inside a document and restart after an EOD that ends
+    a window; the state of a row that starts a document is zeroed, the other row's kept."""
+    from megatron_id.training.carry import RowStates, window_model_inputs
+    model = _model(tiny_config, "chunked")
+    first = torch.tensor([[9, 9, 9, 9], [9, 9, EOD, 9]])
+    kwargs, after = window_model_inputs(first, EOD, RowStates.fresh(2))
+    assert kwargs["states"] is None and kwargs["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 0]]
+    _, after.layers = model(first, return_states=True, **kwargs)
+    assert after.position.tolist() == [4, 1] and after.ends_document.tolist() == [False, False]
+    second = torch.tensor([[9, 9, 9, EOD], [9, EOD, 9, 9]])
+    kwargs, after2 = window_model_inputs(second, EOD, after)
+    assert kwargs["position_ids"].tolist() == [[4, 5, 6, 7], [1, 2, 0, 1]]
+    assert after2.ends_document.tolist() == [True, False]
+    _, after2.layers = model(second, return_states=True, **kwargs)
+    kwargs, _ = window_model_inputs(torch.tensor([[9, 9, 9, 9], [9, 9, 9, 9]]), EOD, after2)
+    assert kwargs["position_ids"].tolist() == [[0, 1, 2, 3], [2, 3, 4, 5]]
+    ssm = kwargs["states"][0]["ssm"]
+    assert torch.all(ssm[0] == 0) and torch.any(ssm[1] != 0)
+    assert all(torch.all(t[0] == 0) and torch.any(t[1] != 0) for t in kwargs["states"][0]["conv"].values())
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter is off")
+def test_the_triton_kernels_carry_the_state_alike(tiny_config, monkeypatch):
+    """float32 (the kernels' precision), under the interpreter: 64 tokens in 4 windows of 16."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("MEGATRON_ID_DOT_PRECISION", "ieee")
+    model = _model(tiny_config, "chunked", "interdomain", "triton", dtype=torch.float32, d_model=32)
+    _check(model, _document(64, eod_every=(16, 23)), 4, 1e-4, reset_documents=True)
+
+
+# ---------------------------------------------------------------- the data order and the trainer
+
+def test_each_row_reads_consecutive_windows_of_its_stream(fineweb_prefix, tmp_path):
+    """StreamOrder: row r of step t + 1 starts where row r of step t ended (the samples share their
+    boundary token), and the rows together read every sample once."""
+    from megatron_id.data.gpt_dataset import StreamOrder, build_gpt_datasets
+    train, _, _ = build_gpt_datasets([str(fineweb_prefix)], "100,0,0", (24, 0, 0), 32, 1234, tmp_path)
+    order = StreamOrder(train, rows=4)
+    assert len(order) == 24 and order.steps == 6
+    for row in range(4):
+        for step in range(5):
+            now, after = order[step * 4 + row], order[(step + 1) * 4 + row]
+            assert now[-1] == after[0] and not np.array_equal(now, after)
+    seen = sorted(order._unshuffled(i) for i in range(24))
+    assert seen == list(range(24))
+    assert order.locate(5, 0) == train.locate_in_stream_order(order._unshuffled(5), 0)
+
+
+def _items(prefix, save, *extra):
+    return [f"data.data_path=[{prefix}]", "data.split=100,0,0", f"data.tokenizer={GPT2}", "model.vocab_size=50257",
+            f"train.save={save}", "train.precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=4",
+            "train.eval_iters=0", "train.log_interval=1", "optimizer.warmup_tokens=0", "optimizer.lr=1e-2",
+            "train.check_host_memory=false", "data.carry_state=true", "train.save_interval=2",
+            "train.train_tokens=1536", *extra]   # 6 steps of 4 rows x 64 tokens, 2 micro-batches of 2
+
+
+@pytest.mark.parametrize("setting, mention", [
+    ("parallel.pipeline_model_parallel_size=2", "pipeline_model_parallel_size=2: the carried state would have"),
+    ("parallel.context_parallel_size=2", "context_parallel_size=2: the carried state does not enter"),
+    ("model.layer_pattern=IA", r"softmax layers \(model.layer_pattern=IA\): their state is a KV cache"),
+    ("train.carry_grad_windows=3", "carry_grad_windows=3: it must be >= 1 and divide model.seq_length=64"),
+    ("train.activation_checkpointing=true", "activation_checkpointing=true: a block recomputed"),
+    ("data.source=mqar", "data.source=mqar: it reads streams"),
+])
+def test_what_cannot_carry_state_is_refused_from_the_config(setting, mention):
+    from megatron_id.config import ConfigError, load_config
+    from megatron_id.training.layout import training_layout
+    cfg = load_config([TINY], ["data.carry_state=true", "train.global_batch_size=4", setting])
+    with pytest.raises(ConfigError, match=mention):
+        training_layout(cfg, 2)
+    cfg = load_config([TINY], ["train.carry_grad_windows=2"])
+    with pytest.raises(ConfigError, match="set data.carry_state=true, or leave it at 1"):
+        training_layout(cfg, 1)
+
+
+@pytest.mark.slow
+def test_carried_training_at_tp2_equals_tp1_and_a_kill_resumes_it_bit_for_bit(fineweb_prefix, tmp_path):
+    """6 steps of 2 micro-batches of 2 rows, the state carried step to step: TP=2 + ZeRO-2 gives
+    TP=1's losses; the TP=2 run killed after step 5 resumes from step 4 and gives step 5 bit for
+    bit, with every rank's carried state from the checkpoint; without it, step 5 differs (the
+    state carries something). train.carry_grad_windows=2 starts at the same loss."""
+    from distributed import RankError, run_distributed
+    from test_distill import _train
+
+    def run(name, world, *extra, kill_after=None, record=None):
+        return run_distributed(_train, world, (_items(fineweb_prefix, tmp_path / name, *extra), kill_after,
+                                               record), timeout=300)[0]
+
+    _, one = run("tp1", 1)
+    assert one[-1] < one[0]
+    tp2 = ["parallel.tensor_model_parallel_size=2", "train.zero_stage=2"]
+    record = tmp_path / "killed.json"
+    with pytest.raises(RankError):
+        run("tp2", 2, *tp2, kill_after=5, record=str(record))
+    killed = [float.fromhex(x) for x in json.loads(record.read_text())]
+    _close(one[:5], killed)
+    saved = tmp_path / "tp2" / "iter_0000004"
+    files = sorted(p.name for p in saved.glob("carried_state_rank*.pt"))
+    assert files == ["carried_state_rank00000.pt", "carried_state_rank00001.pt"]
+    carried = torch.load(saved / files[1], weights_only=True)
+    assert carried["layout"]["tensor"] == 2 and len(carried["states"]) == 2
+    assert carried["states"][0]["layers"][0]["ssm"].shape[:2] == (2, 2)   # 2 rows, this rank's 2 of 4 heads
+    assert torch.all(carried["states"][1]["position"] > 0)
+    shutil.copytree(tmp_path / "tp2", tmp_path / "tp2-without")
+    start, resumed = run("tp2", 2, *tp2, f"train.load={tmp_path / 'tp2'}")
+    assert start == 4 and resumed[0] == killed[4]   # step 5, bit for bit
+    _close(one, killed[:4] + resumed)
+
+    for name in files:   # the same checkpoint without its carried state: every row restarts from zero
+        (tmp_path / "tp2-without" / "iter_0000004" / name).unlink()
+    manifest = tmp_path / "tp2-without" / "iter_0000004" / "manifest.json"
+    entries = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**entries, "files": {k: v for k, v in entries["files"].items()
+                                                         if not k.startswith("carried_state")}}))
+    _, without = run("tp2-without", 2, *tp2, f"train.load={tmp_path / 'tp2-without'}")
+    assert abs(without[0] - killed[4]) > 1e-4, (without[0], killed[4])
+
+    _, windows = run("windows", 1, "train.carry_grad_windows=2")
+    assert math.isclose(windows[0], one[0], rel_tol=1e-5)
