@@ -123,6 +123,58 @@ def test_the_triton_kernels_carry_the_state_alike(tiny_config, monkeypatch):
     _check(model, _document(64, eod_every=(16, 23)), 4, 1e-4, reset_documents=True)
 
 
+def _cp_windows(rank, world, tokens):
+    """This rank's blocks of the logits of 4 carried windows, and its parameter gradients."""
+    import torch.distributed as dist
+
+    from megatron_id.config import load_config
+    from megatron_id.model import LanguageModel
+    from megatron_id.parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
+    from megatron_id.training.carry import CarriedRows
+    cfg = load_config([TINY], CP_MODEL).model
+    cp = ContextParallel(dist.group.WORLD, rank, world)
+    model = apply_context_parallel(LanguageModel(cfg, seed=3).double(), cp)
+    carry = CarriedRows(1, tokens.shape[0], EOD, windows=4)
+    split = lambda x: split_sequence(x, cp)   # noqa: E731
+    logits = carry.forward(model, tokens, split)
+    weight = carry.split_like_outputs(_weight(tokens), split)
+    grads = torch.autograd.grad((logits * weight).sum(), list(model.parameters()))
+    return logits.detach(), [g.detach() for g in grads], carry.states[0].layers[0]["ssm"]
+
+
+CP_MODEL = ["model.d_model=16", "model.n_heads=2", "model.n_layers=2", "model.state_size=5", "model.chunk_size=8",
+            "model.vocab_size=64", "model.core_impl=autograd"]
+
+
+def _weight(tokens):
+    return torch.randn(*tokens.shape, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_the_state_carried_equals_one_process(tiny_config):
+    """float64: 4 windows of 32 tokens, each split over CP=2 ranks (blocks of 16), the state
+    carried with the gradient through all windows, documents ending inside blocks, 1-2 tokens
+    before a block edge and on a window boundary: the joined logits, the summed gradients and
+    the carried state equal one process running the same windows (< 1e-10)."""
+    from distributed import run_distributed
+
+    from megatron_id.model import LanguageModel
+    from megatron_id.training.carry import CarriedRows
+    tokens = _document(128, eod_every=(32, 15))
+    tokens[0, [13, 46, 77]] = EOD
+    model = LanguageModel(tiny_config(*CP_MODEL), seed=3).double()
+    carry = CarriedRows(1, 2, EOD, windows=4)
+    logits = carry.forward(model, tokens)
+    grads = torch.autograd.grad((logits * _weight(tokens)).sum(), list(model.parameters()))
+    results = run_distributed(_cp_windows, 2, args=(tokens,), timeout=120)
+    joined = torch.cat([torch.cat([r[0][:, w * 16:(w + 1) * 16] for r in results], dim=1) for w in range(4)], dim=1)
+    assert relative_error(joined, logits) < 1e-10
+    for i, (name, _) in enumerate(model.named_parameters()):
+        assert relative_error(results[0][1][i] + results[1][1][i], grads[i]) < 1e-10, name
+    for rank in range(2):
+        assert relative_error(results[rank][2], carry.states[0].layers[0]["ssm"]) < 1e-10
+
+
 # ---------------------------------------------------------------- the data order and the trainer
 
 def test_each_row_reads_consecutive_windows_of_its_stream(fineweb_prefix, tmp_path):
@@ -151,7 +203,8 @@ def _items(prefix, save, *extra):
 
 @pytest.mark.parametrize("setting, mention", [
     ("parallel.pipeline_model_parallel_size=2", "pipeline_model_parallel_size=2: the carried state would have"),
-    ("parallel.context_parallel_size=2", "context_parallel_size=2: the carried state does not enter"),
+    ("parallel.context_parallel_size=2 train.carry_grad_windows=64",
+     "context_parallel_size=2 with train.carry_grad_windows=64: each window of 1 tokens splits"),
     ("model.layer_pattern=IA", r"softmax layers \(model.layer_pattern=IA\): their state is a KV cache"),
     ("train.carry_grad_windows=3", "carry_grad_windows=3: it must be >= 1 and divide model.seq_length=64"),
     ("train.activation_checkpointing=true", "activation_checkpointing=true: a block recomputed"),
@@ -160,7 +213,7 @@ def _items(prefix, save, *extra):
 def test_what_cannot_carry_state_is_refused_from_the_config(setting, mention):
     from megatron_id.config import ConfigError, load_config
     from megatron_id.training.layout import training_layout
-    cfg = load_config([TINY], ["data.carry_state=true", "train.global_batch_size=4", setting])
+    cfg = load_config([TINY], ["data.carry_state=true", "train.global_batch_size=4", *setting.split()])
     with pytest.raises(ConfigError, match=mention):
         training_layout(cfg, 2)
     cfg = load_config([TINY], ["train.carry_grad_windows=2"])
@@ -169,9 +222,9 @@ def test_what_cannot_carry_state_is_refused_from_the_config(setting, mention):
 
 
 @pytest.mark.slow
-def test_carried_training_at_tp2_equals_tp1_and_a_kill_resumes_it_bit_for_bit(fineweb_prefix, tmp_path):
-    """6 steps of 2 micro-batches of 2 rows, the state carried step to step: TP=2 + ZeRO-2 gives
-    TP=1's losses; the TP=2 run killed after step 5 resumes from step 4 and gives step 5 bit for
+def test_carried_training_at_tp2_and_cp2_equals_tp1_and_a_kill_resumes_it_bit_for_bit(fineweb_prefix, tmp_path):
+    """6 steps of 2 micro-batches of 2 rows, the state carried step to step: TP=2 + ZeRO-2 and
+    CP=2 give TP=1's losses; the TP=2 run killed after step 5 resumes from step 4 and gives step 5 bit for
     bit, with every rank's carried state from the checkpoint; without it, step 5 differs (the
     state carries something). train.carry_grad_windows=2 starts at the same loss."""
     from distributed import RankError, run_distributed
@@ -209,6 +262,9 @@ def test_carried_training_at_tp2_equals_tp1_and_a_kill_resumes_it_bit_for_bit(fi
                                                          if not k.startswith("carried_state")}}))
     _, without = run("tp2-without", 2, *tp2, f"train.load={tmp_path / 'tp2-without'}")
     assert abs(without[0] - killed[4]) > 1e-4, (without[0], killed[4])
+
+    _, cp2 = run("cp2", 2, "parallel.context_parallel_size=2")   # each row's window in 2 blocks of 32
+    _close(one, cp2)
 
     _, windows = run("windows", 1, "train.carry_grad_windows=2")
     assert math.isclose(windows[0], one[0], rel_tol=1e-5)

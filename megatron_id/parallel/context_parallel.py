@@ -47,8 +47,11 @@ class ContextParallel:
     def previous_tail(self, x, width: int):
         return previous_tail(x, width, self)
 
-    def incoming_state(self, block_end, transition, survives):
-        return incoming_state(block_end, transition, survives, self)
+    def incoming_state(self, block_end, transition, survives, initial=None, final=False):
+        return incoming_state(block_end, transition, survives, self, initial, final)
+
+    def last_tail(self, x, width: int):
+        return last_tail(x, width, self)
 
 
 def apply_context_parallel(model, cp: ContextParallel | None):
@@ -124,22 +127,36 @@ def previous_tail(x: torch.Tensor, width: int, cp: ContextParallel) -> torch.Ten
 
 
 def incoming_state(block_end: torch.Tensor, transition: torch.Tensor, survives: torch.Tensor | None,
-                   cp: ContextParallel) -> torch.Tensor:
+                   cp: ContextParallel, initial: torch.Tensor | None = None, final: bool = False):
     """The state entering this rank's block, [B, H, M, P] (complex for the interdomain mixer; any
     float state of that layout, docs/adding-a-mixer.md). block_end: this block's end state from
     zero; transition [H, M]: lambda^L over one block; survives [B] (float, 0/1) or
-    None: whether a state entering this block reaches its end (no document starts in it)."""
+    None: whether a state entering this block reaches its end (no document starts in it).
+    initial: the state entering the first block (data.carry_state: the previous window's end),
+    None for zero. final: also return the state after the last block (the same on every rank)."""
     ends = gather(block_end, cp)                                        # [C, B, H, M, P]
     keep = None if survives is None else gather(survives, cp)           # [C, B]
-    state = torch.zeros_like(block_end)
+    state = torch.zeros_like(block_end) if initial is None else initial.to(block_end.dtype)
     lam = transition.to(block_end.dtype)[None, :, :, None]
-    for j in range(cp.rank):
+    # every rank runs the same scan over all C blocks and picks its own entry with weights (no
+    # branch on the rank): the backward graphs are then alike, so every rank reaches the
+    # gathers' all_reduces in the same order (a rank-dependent graph may order them otherwise)
+    entering = []
+    for j in range(cp.size):
+        entering.append(state)
         carried = lam * state
         if keep is not None:
             carried = carried * keep[j][:, None, None, None]
         state = carried + ends[j]
-    # the blocks after this one count zero, but are touched (see _pick)
-    return state + _pick(ends, [0.0] * cp.size)
+    incoming = _pick(torch.stack(entering), [1.0 if j == cp.rank else 0.0 for j in range(cp.size)])
+    return (incoming, state) if final else incoming
+
+
+def last_tail(x: torch.Tensor, width: int, cp: ContextParallel) -> torch.Tensor:
+    """The last block's last `width` tokens of x [B, L, ...], on every rank (differentiable):
+    what the whole sequence leaves its short convs."""
+    tails = gather(x[:, x.shape[1] - width:], cp)
+    return _pick(tails, [1.0 if j == cp.size - 1 else 0.0 for j in range(cp.size)])
 
 
 def split_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:

@@ -78,11 +78,13 @@ def window_model_inputs(tokens: torch.Tensor, eod_id: int, carried: RowStates) -
 
 
 def carried_forward(model, tokens: torch.Tensor, eod_id: int, carried: RowStates, windows: int = 1,
-                    detach: bool = False, **forward_kwargs) -> tuple[torch.Tensor, RowStates]:
+                    detach: bool = False, split=None, **forward_kwargs) -> tuple[torch.Tensor, RowStates]:
     """The logits of input tokens [B, N] run as `windows` consecutive windows of N / windows
     tokens, each starting from the state the previous one left (the first from `carried`).
     Returns (logits [B, N, V], what the last window leaves). detach: the gradient stops at every
-    window boundary (it always stops at the returned state's: detach it before the next step)."""
+    window boundary (it always stops at the returned state's: detach it before the next step).
+    split: context parallelism's cut of a window [B, n, ...] into this rank's block (the
+    documents are found on the whole window); the logits are then this rank's blocks, in order."""
     if tokens.shape[1] % windows:
         raise ValueError(f"{tokens.shape[1]} tokens do not split into {windows} equal windows")
     outputs = []
@@ -90,6 +92,9 @@ def carried_forward(model, tokens: torch.Tensor, eod_id: int, carried: RowStates
         if detach:
             carried = carried.detached()
         kwargs, after = window_model_inputs(piece, eod_id, carried)
+        if split is not None:
+            piece = split(piece)
+            kwargs.update(seq_idx=split(kwargs["seq_idx"]), position_ids=split(kwargs["position_ids"]))
         logits, after.layers = model(piece, return_states=True, **kwargs, **forward_kwargs)
         outputs.append(logits)
         carried = after
@@ -122,8 +127,10 @@ def check_carry_layout(cfg, layout) -> None:
                         "layers (letters I and S)"),
         layout.pipe > 1: (f"parallel.pipeline_model_parallel_size={layout.pipe}",
                           "the carried state would have to stay with each stage's layers; use TP x DP"),
-        layout.context > 1: (f"parallel.context_parallel_size={layout.context}",
-                             "the carried state does not enter the first block's scan yet; use TP x DP"),
+        layout.context > 1 and (m.seq_length // max(t.carry_grad_windows, 1)) % layout.context: (
+            f"parallel.context_parallel_size={layout.context} with train.carry_grad_windows={t.carry_grad_windows}",
+            f"each window of {m.seq_length // max(t.carry_grad_windows, 1)} tokens splits into "
+            f"{layout.context} equal blocks; use a window divisible by it"),
         d.source != DataSource.gpt: (f"data.source={d.source.value}", "it reads streams of documents from "
                                      "data.data_path"),
         d.source == DataSource.gpt and len(d.data_path) > 1: (   # (a weight, a prefix, ...)
@@ -149,14 +156,16 @@ class CarriedRows:
         self.next = 0   # the micro-batch of the step that runs next
         self.restarted = 0   # rows restarted because their state was not finite
 
-    def forward(self, model, tokens: torch.Tensor, **forward_kwargs) -> torch.Tensor:
-        """The model's output for this micro-batch's input tokens, from and into its rows' state."""
+    def forward(self, model, tokens: torch.Tensor, split=None, **forward_kwargs) -> torch.Tensor:
+        """The model's output for this micro-batch's input tokens, from and into its rows' state
+        (split: context parallelism's, see carried_forward)."""
         m = self.next
         carried = self.states[m]
         if carried.position.device != tokens.device:
             carried = RowStates(carried.layers, carried.position.to(tokens.device),
                                 carried.ends_document.to(tokens.device))
-        out, after = carried_forward(model, tokens, self.eod_id, carried, self.windows, **forward_kwargs)
+        out, after = carried_forward(model, tokens, self.eod_id, carried, self.windows, split=split,
+                                     **forward_kwargs)
         self.states[m] = self._finite(after.detached())
         self.next = (m + 1) % len(self.states)
         return out
@@ -173,6 +182,11 @@ class CarriedRows:
         self.restarted += int((~finite).sum())
         return RowStates(keep_rows(carried.layers, finite), torch.where(finite, carried.position, 0),
                          carried.ends_document | ~finite)
+
+    def split_like_outputs(self, x: torch.Tensor, split) -> torch.Tensor:
+        """x [B, N] (labels, a loss mask) cut as forward(split=...) cuts the outputs: each
+        window's block of this rank, in order."""
+        return x if split is None else torch.cat([split(w) for w in x.chunk(self.windows, dim=1)], dim=1)
 
     def state_dict(self, layout: dict) -> dict:
         """What a checkpoint keeps of this rank's rows (plain tensors: loads with weights_only)."""

@@ -425,12 +425,15 @@ class Trainer:
         reset_position_ids would)."""
         inputs, labels = batch[:, :-1], batch[:, 1:]
         mask = self.loss.mask(inputs)
+        split = None if self.context is None else (lambda x: split_sequence(x, self.context))
+        labels = self.carry.split_like_outputs(labels, split)
+        mask = None if mask is None else self.carry.split_like_outputs(mask, split)
         with self._autocast(inputs.device):
             if self.loss.fused:
-                hidden = self.carry.forward(self.engine, inputs, return_hidden=True)
+                hidden = self.carry.forward(self.engine, inputs, split, return_hidden=True)
                 loss = self.loss(hidden, labels, mask, lm_head=self.engine.module.lm_head)
             else:
-                loss = self.loss(self.carry.forward(self.engine, inputs), labels, mask)
+                loss = self.loss(self.carry.forward(self.engine, inputs, split), labels, mask)
         return self.guard.observe_loss(loss)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:

@@ -223,8 +223,9 @@ class InterdomainMixer(nn.Module):
         # (ZeRO-3 partitions parameters and gathers them in each submodule's hooks, which the
         # segments' functional calls bypass: there only the core recomputes, see _core)
         zero3 = hasattr(self.o_proj.weight, "ds_id")
-        if self.context_parallel is not None and state is None and start is None and not return_state:
-            o, ssm = self._context_parallel_core(projected, seq_idx, starts, position_ids), None
+        if self.context_parallel is not None and start is None:   # (data.carry_state: with a state)
+            o, ssm = self._context_parallel_core(projected, seq_idx, starts, position_ids, state,
+                                                 conv_out if return_state else None)
         elif state is None and start is None and not return_state and self.form == "chunked" and \
                 not zero3 and recomputes(self.core_impl, x.shape[1], wants_grad, x):
             o = self._recomputed_core(projected, starts, position_ids)
@@ -241,10 +242,13 @@ class InterdomainMixer(nn.Module):
         return y, {"ssm": ssm, "conv": conv_out, "pos": pos + x.shape[1],
                    "tables": state.get("tables") if state else None}
 
-    def _context_parallel_core(self, projected, seq_idx, starts, position_ids):
+    def _context_parallel_core(self, projected, seq_idx, starts, position_ids, state=None, conv_out=None):
         """This rank's block of a sequence split over the context-parallel group
         (parallel/context_parallel.py): the convs read the previous block's last K-1 inputs, the
-        core starts from the state the earlier blocks leave (their end states, combined)."""
+        core starts from the state the earlier blocks leave (their end states, combined).
+        `state`: what enters the first block (the previous window's, data.carry_state); with
+        conv_out, returns the state after the last block, and conv_out receives the last
+        block's conv tails (both the same on every rank). Returns (o, that state or None)."""
         cp = self.context_parallel
         block = projected[1].shape[1]
         fresh = cp.fresh_start(seq_idx)   # a document begins at this block's first token
@@ -258,22 +262,35 @@ class InterdomainMixer(nn.Module):
         if seq_idx is not None:
             before = cp.previous_tail(seq_idx[..., None].float(), self.conv_kernel - 1)[..., 0]
             same_document = (before == seq_idx[:, :1].float()).to(projected[1].dtype)[:, None, :]
-        conv_in = {}
+        conv_in, width = {}, self.conv_kernel - 1
         for name, x in zip(names, inputs):
-            tail = cp.previous_tail(x, self.conv_kernel - 1).transpose(1, 2)   # [B, C, K-1], the conv's state
+            tail = cp.previous_tail(x, width).transpose(1, 2)   # [B, C, K-1], the conv's state
+            if state is not None:   # the first block continues the previous window (a weight, not a
+                # branch on the rank: every rank's backward graph alike, see incoming_state)
+                tail = tail + float(cp.rank == 0) * state["conv"][name].to(tail.dtype)
             conv_in[name] = tail if same_document is None else tail * same_document
-        rope_offset = cp.rank * block if position_ids is None else position_ids
+            if conv_out is not None:   # the whole sequence's tail, masked as short_conv masks it
+                last = cp.last_tail(x, width).transpose(1, 2)
+                if seq_idx is not None:
+                    documents = cp.last_tail(seq_idx[..., None].float(), width)[..., 0]
+                    last = last * (documents == documents[:, -1:]).to(last.dtype)[:, None, :]
+                conv_out[name] = last
+        pos = state["pos"] if state else 0
+        rope_offset = pos + cp.rank * block if position_ids is None else position_ids
         query, key, value = self._features(*projected, conv_in, {}, rope_offset, None, starts=starts)
         log_dt, a_log, a_im = self.core_parameters()[:3]
         end = block_end_state(key, value, log_dt, a_log, a_im, chunk_size=self.chunk_size, seq_idx=seq_idx)
         survives = None
         if seq_idx is not None:   # the state entering this block reaches its end: no start in it
             survives = ((seq_idx == seq_idx[:, :1]).all(dim=1) & ~fresh).to(end.real.dtype)
-        incoming = cp.incoming_state(end, block_transition(log_dt, a_log, a_im, block), survives)
+        initial = None if state is None else state["ssm"]
+        incoming = cp.incoming_state(end, block_transition(log_dt, a_log, a_im, block), survives, initial,
+                                     final=conv_out is not None)
+        incoming, final = incoming if conv_out is not None else (incoming, None)
         if fresh is not None:
             incoming = incoming * (~fresh).to(incoming.real.dtype)[:, None, None, None]
         o, _ = self._core(query, key, value, {"ssm": incoming}, False, seq_idx)
-        return o
+        return o, final
 
     def _recomputed_core(self, projected, starts=None, position_ids=None):
         """Features and core from the projections, segment by segment, keeping only the
