@@ -268,3 +268,38 @@ def test_carried_training_at_tp2_and_cp2_equals_tp1_and_a_kill_resumes_it_bit_fo
 
     _, windows = run("windows", 1, "train.carry_grad_windows=2")
     assert math.isclose(windows[0], one[0], rel_tol=1e-5)
+
+
+def _validate(rank, world, items):
+    """The trainer's validation loss at step 0, and the same loss from one forward per row."""
+    import torch.nn.functional as F
+
+    from megatron_id.config import load_config
+    from megatron_id.training.documents import document_index
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([TINY], items))
+    try:
+        validated = trainer.evaluate()
+        streams, model = trainer.valid_data, trainer.engine.module
+        losses = []
+        with torch.no_grad():
+            for row in range(streams.rows):   # its 2 windows joined (they share a boundary token)
+                first, second = (torch.from_numpy(streams.dataset.in_stream_order(row * streams.steps + t))
+                                 for t in range(2))
+                tokens = torch.cat([first, second[1:]])[None]
+                seq_idx, positions = document_index(tokens[:, :-1], trainer.carry.eod_id)
+                logits = model(tokens[:, :-1], seq_idx=seq_idx, position_ids=positions)
+                vocab = trainer.cfg.model.vocab_size   # (the module's logits have the padded rows too)
+                losses.append(F.cross_entropy(logits[0, :, :vocab].float(), tokens[0, 1:], reduction="none"))
+        return validated, torch.cat(losses).mean().item()
+    finally:
+        trainer.close()
+
+
+def test_validation_reads_each_row_window_by_window_with_its_state_carried(fineweb_prefix, tmp_path):
+    """train.eval_iters=2 batches of 4 rows: the validation loss is that of each row's 2 windows
+    read as one sequence (documents reset as in training)."""
+    from distributed import run_distributed
+    items = _items(fineweb_prefix, tmp_path / "run", "data.split=70,30,0", "train.eval_iters=2")
+    validated, whole = run_distributed(_validate, 1, (items,), timeout=300)[0]
+    assert math.isclose(validated, whole, rel_tol=1e-5), (validated, whole)

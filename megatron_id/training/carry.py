@@ -135,6 +135,8 @@ def check_carry_layout(cfg, layout) -> None:
                                      "data.data_path"),
         d.source == DataSource.gpt and len(d.data_path) > 1: (   # (a weight, a prefix, ...)
             "a blend of several data.data_path prefixes", "a row's stream comes from one dataset; give one prefix"),
+        any(len(path) > 1 for path in d.valid_sets.values()): (
+            "a blend in data.valid_sets", "each validation row's stream comes from one dataset; give one prefix"),
         t.distill.teacher is not None: ("train.distill", "the teacher would need the same carried state"),
         t.activation_checkpointing: ("train.activation_checkpointing=true",
                                      "a block recomputed in the backward would run without its carried state"),

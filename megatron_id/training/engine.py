@@ -399,12 +399,16 @@ class Trainer:
         cache, patience = self._index_cache(), 60 * self.cfg.train.collective_timeout_minutes
         train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
                                                        self.cfg.model.seq_length, self.cfg.seed, cache, patience)
-        if d.carry_state:   # each row of the global batch reads its own stream of consecutive windows
-            train = StreamOrder(train, self.layout.global_batch_size)
         # each named set read whole (its own "valid" split of 100%), as many samples as the split's
         self.valid_sets = {name: build_gpt_datasets(path, "0,100,0", (0, n_valid, 0), self.cfg.model.seq_length,
                                                     self.cfg.seed, cache, patience)[1]
                            for name, path in d.valid_sets.items()}
+        if d.carry_state:   # each row of the global batch reads its own stream of consecutive windows
+            rows = self.layout.global_batch_size
+            train = StreamOrder(train, rows)
+            self.valid_data = None if self.valid_data is None else StreamOrder(self.valid_data, rows)
+            self.valid_sets = {name: None if data is None else StreamOrder(data, rows)
+                               for name, data in self.valid_sets.items()}
         return train
 
     def _index_cache(self) -> Path:
@@ -419,21 +423,22 @@ class Trainer:
             return self._loss(batch)
         return self.guard.observe_loss(self._distillation_loss(batch[:, :-1], batch[:, 1:]))
 
-    def _carried_loss(self, batch: torch.Tensor) -> torch.Tensor:
+    def _carried_loss(self, batch: torch.Tensor, carry: CarriedRows | None = None) -> torch.Tensor:
         """data.carry_state: the micro-batch's rows continue from the state their previous windows
         left (training/carry.py; it finds the documents itself, as reset_attention_mask and
-        reset_position_ids would)."""
+        reset_position_ids would). carry: whose rows (a validation round's own; default training's)."""
+        carry = carry or self.carry
         inputs, labels = batch[:, :-1], batch[:, 1:]
         mask = self.loss.mask(inputs)
         split = None if self.context is None else (lambda x: split_sequence(x, self.context))
-        labels = self.carry.split_like_outputs(labels, split)
-        mask = None if mask is None else self.carry.split_like_outputs(mask, split)
+        labels = carry.split_like_outputs(labels, split)
+        mask = None if mask is None else carry.split_like_outputs(mask, split)
         with self._autocast(inputs.device):
             if self.loss.fused:
-                hidden = self.carry.forward(self.engine, inputs, split, return_hidden=True)
+                hidden = carry.forward(self.engine, inputs, split, return_hidden=True)
                 loss = self.loss(hidden, labels, mask, lm_head=self.engine.module.lm_head)
             else:
-                loss = self.loss(self.carry.forward(self.engine, inputs, split), labels, mask)
+                loss = self.loss(carry.forward(self.engine, inputs, split), labels, mask)
         return self.guard.observe_loss(loss)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
@@ -515,8 +520,14 @@ class Trainer:
             return loss.item()
         self.engine.eval()
         total, count = torch.zeros(1, device=self.device), 0   # collectives run on the training device
+        loss_of = self._loss
+        if self.carry is not None:   # as training reads: each row's windows in order, its state carried
+            # through the round's eval_iters batches (from zero at the round's start)
+            rows = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size, self.carry.eod_id,
+                               self.carry.windows)
+            loss_of = lambda batch: self._carried_loss(batch, rows)   # noqa: E731
         for indices in sampler:
-            total += self._loss(self._batch(dataset, indices)).detach().float()
+            total += loss_of(self._batch(dataset, indices)).detach().float()
             count += 1
         dist.all_reduce(total, group=state.get_data_parallel_group())
         self.engine.train()
