@@ -303,3 +303,66 @@ def test_validation_reads_each_row_window_by_window_with_its_state_carried(finew
     items = _items(fineweb_prefix, tmp_path / "run", "data.split=70,30,0", "train.eval_iters=2")
     validated, whole = run_distributed(_validate, 1, (items,), timeout=300)[0]
     assert math.isclose(validated, whole, rel_tol=1e-5), (validated, whole)
+
+
+# ---------------------------------------------------------------- megatron-id eval length --carry-state
+
+def _documents_file(path, tokenizer_text, count=12):
+    """jsonl documents of varied lengths (40 to 900 words) cut from the bundled text."""
+    words = tokenizer_text.split()
+    rng, at, rows = __import__("random").Random(4), 0, []
+    for _ in range(count):
+        n = rng.randint(40, 900)
+        rows.append(json.dumps({"text": " ".join(words[at:at + n])}))
+        at += n
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_eval_length_with_the_state_carried_scores_each_document_as_one_sequence(tiny_config, tmp_path):
+    """`eval length --carry-state`: every row starts at a document's first token; the perplexity
+    at factor F is that of the predictions less than F x 64 tokens into their document, as one
+    forward of each row (documents reset) gives them; a softmax model is refused with the reason."""
+    import subprocess
+    import sys
+
+    import torch.nn.functional as F
+    from hf_tiny import export_model
+
+    from megatron_id.evaluation.run import document_rows, read_documents, token_stream
+    from megatron_id.inference.generate import load_trained
+    from megatron_id.model import LanguageModel
+    from megatron_id.training.documents import document_index
+    cfg = tiny_config("model.d_model=32", "model.vocab_size=50257", "model.n_heads=2")
+    export = export_model(LanguageModel(cfg, seed=5).eval(), cfg, tmp_path / "export")
+    text = _documents_file(tmp_path / "docs.jsonl", (ROOT / "tests/data/tinyshakespeare-200k.txt").read_text())
+    command = [sys.executable, "-m", "megatron_id.cli", "eval", "length", "--checkpoint", str(export), "--text",
+               str(text), "--carry-state", "--factors", "1", "2", "8", "--batch-size", "3", "--max-tokens", "100000",
+               "--bucket", "1", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)["results"][0]
+    assert result["carry_state"] and result["rows"] == 3 and result["windows_per_row"] >= 4
+
+    trained = load_trained(str(export), None, False)
+    stream = token_stream(trained, read_documents([str(text)]))
+    rows = document_rows(stream, trained.eod, 3)
+    assert all(r[0] != trained.eod for r in rows) and stream[len(rows[0]) - 1] == trained.eod
+    length = result["windows_per_row"] * 64
+    tokens = torch.from_numpy(np.stack([r[:length + 1] for r in rows]))
+    seq_idx, positions = document_index(tokens[:, :-1], trained.eod)
+    with torch.no_grad():
+        logits = trained.model(tokens[:, :-1], seq_idx=seq_idx, position_ids=positions)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none")
+    for context in result["contexts"]:
+        inside = positions.flatten() < context["context"]
+        assert context["tokens"] == int(inside.sum())
+        assert math.isclose(context["loss"], losses[inside].double().mean().item(), rel_tol=1e-5), context
+    assert result["tokens_beyond"] == int((positions >= 8 * 64).sum()) > 0
+
+    softmax = tiny_config("model.d_model=32", "model.vocab_size=50257", "model.n_heads=2", "model.layer_pattern=IA")
+    export = export_model(LanguageModel(softmax, seed=5).eval(), softmax, tmp_path / "softmax")
+    done = subprocess.run([*command[:6], str(export), *command[7:]], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+    assert done.returncode != 0 and "has softmax layers, whose KV cache would grow" in done.stderr, done.stderr[-2000:]

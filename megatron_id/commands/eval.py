@@ -61,6 +61,10 @@ def add_parser(sub) -> None:
                    help="contexts as multiples of the training length (default 0.5 1 2 3.5 4)")
     p.add_argument("--max-tokens", type=int, default=65536, help="tokens scored per context (default 65536)")
     p.add_argument("--bucket", type=float, default=0.5, help="position buckets, x the training length (0.5)")
+    p.add_argument("--carry-state", action="store_true",
+                   help="read each document in windows of the training length with the state carried between "
+                        "them, as data.carry_state trains (--batch-size rows); factor F: the perplexity of the "
+                        "predictions less than F x the training length into their document")
 
     p = kinds.add_parser("recall", help="passkey retrieval and multi-query associative recall", allow_abbrev=False)
     common(p)

@@ -41,7 +41,10 @@ def markdown(evaluation: str, results: list[dict]) -> str:
         factors = [c["factor"] for c in results[0]["contexts"]]
         head = ["model", "train length"] + [f"{f}x" for f in factors]
         rows = [(r["name"], r["train_length"], *[fmt(c["perplexity"], 2) for c in r["contexts"]]) for r in results]
-        text = "perplexity by context (x the training length)\n\n" + md_table(head, rows)
+        what = ("perplexity of the predictions within F x the training length of their document's start, "
+                "each document read in windows of the training length with the state carried (--carry-state)"
+                if results[0].get("carry_state") else "perplexity by context (x the training length)")
+        text = what + "\n\n" + md_table(head, rows)
         rel = [(r["name"], r["train_length"], *[fmt(c["vs_1x"], 3) for c in r["contexts"]]) for r in results]
         return text + "\n\nrelative to 1x\n\n" + md_table(head, rel)
     if evaluation == "mqar":

@@ -42,10 +42,11 @@ from ..hf.export import read_export_config
 from ..inference.generate import load_trained, resolve_device
 from ..model.accounting import report
 from ..model.language_model import LanguageModel
+from ..model.pattern import layer_mixer
 from .lm_eval_tasks import write_tasks
 from .recall import mqar, mqar_correct, passkey, passkey_correct
 from .report import RESULT_FILES
-from .scoring import score_windows, windows
+from .scoring import carried_position_losses, score_windows, windows
 
 
 class EvalError(UserError, ValueError):
@@ -183,6 +184,8 @@ def run_perplexity(trained, args, token_bytes) -> dict:
 def run_length(trained, args, token_bytes) -> dict:
     train_length = trained.cfg.seq_length
     stream = token_stream(trained, read_documents(args.text))
+    if args.carry_state:
+        return run_length_carried(trained, args, token_bytes, stream)
     contexts, largest = [], max(args.factors)
     for factor in args.factors:
         context = max(1, round(factor * train_length))
@@ -206,6 +209,64 @@ def run_length(trained, args, token_bytes) -> dict:
         c["vs_1x"] = c["perplexity"] / one["perplexity"] if one else None
     return {"train_length": train_length, "max_tokens": args.max_tokens, "contexts": contexts,
             "positions": {"context": round(largest * train_length), "bucket": width, "buckets": buckets}}
+
+
+def run_length_carried(trained, args, token_bytes, stream: np.ndarray) -> dict:
+    """`eval length --carry-state`: the documents read as data.carry_state trains on them, in
+    windows of the training length, each row's state carried from window to window and reset at
+    every document start (training/carry.py); the loss by position in the document, so the
+    factor F is the perplexity of every prediction made less than F x the training length into
+    its document (one number per factor, as the windowed table)."""
+    length = trained.cfg.seq_length
+    growing = sorted({layer_mixer(trained.cfg, i) for i in range(trained.cfg.n_layers)} & {"softmax", "sliding"})
+    if growing:
+        raise EvalError(f"--carry-state reads whole documents through a fixed state, and this model has "
+                        f"{'/'.join(growing)} layers, whose KV cache would grow with every window: evaluate it "
+                        f"without --carry-state (its windows at each factor).")
+    horizon = max(1, round(max(args.factors) * length))
+    rows = document_rows(stream, trained.eod, args.batch_size)
+    usable = min(len(r) for r in rows) - 1
+    n_windows = min(usable // length, max(1, args.max_tokens // (length * len(rows))))
+    if n_windows < 1:
+        raise EvalError(f"--text holds {len(stream):,} tokens: too few for {len(rows)} rows of one window of "
+                        f"{length + 1} tokens (--batch-size {args.batch_size}). Give more text or a smaller "
+                        f"--batch-size.")
+    rows = np.stack([r[:n_windows * length + 1] for r in rows])
+    at, beyond = carried_position_losses(trained.model, rows, length, trained.eod, horizon, token_bytes, args.device)
+    contexts = []
+    for factor in args.factors:
+        upto = max(1, round(factor * length))
+        loss, count, nbytes = (float(a[:upto].sum()) for a in at)
+        mean = loss / count if count else float("nan")
+        contexts.append({"factor": factor, "context": upto, "loss": mean, "perplexity": math.exp(mean),
+                         "bits_per_byte": loss / math.log(2) / nbytes if nbytes else None,
+                         "tokens": int(count), "bytes": int(nbytes)})
+    one = next((c for c in contexts if c["factor"] == 1), None)
+    for c in contexts:
+        c["vs_1x"] = c["perplexity"] / one["perplexity"] if one else None
+    width = max(1, round(args.bucket * length))
+    buckets = []
+    for start in range(0, horizon, width):
+        loss, count = float(at[0][start:start + width].sum()), float(at[1][start:start + width].sum())
+        mean = loss / count if count else float("nan")
+        buckets.append({"start": start, "end": min(start + width, horizon), "loss": mean,
+                        "perplexity": math.exp(mean) if count else float("nan"), "tokens": int(count)})
+    return {"train_length": length, "max_tokens": args.max_tokens, "carry_state": True, "rows": len(rows),
+            "windows_per_row": n_windows, "tokens_beyond": beyond, "contexts": contexts,
+            "positions": {"context": horizon, "bucket": width, "buckets": buckets}}
+
+
+def document_rows(stream: np.ndarray, eod: int, count: int) -> list[np.ndarray]:
+    """`count` pieces of the stream of about equal length, each cut right after an EOD (every
+    row starts at a document's first token, so positions in documents are exact)."""
+    ends = np.flatnonzero(stream == eod) + 1
+    cuts = [0]
+    for i in range(1, count):
+        after = ends[ends >= i * len(stream) // count]
+        if len(after) and after[0] > cuts[-1] and after[0] < len(stream):
+            cuts.append(int(after[0]))
+    cuts.append(len(stream))
+    return [stream[a:b] for a, b in zip(cuts[:-1], cuts[1:]) if b - a > 1]
 
 
 def run_recall(trained, args) -> dict:

@@ -75,3 +75,32 @@ def score_windows(model, rows: np.ndarray, batch_size: int, chunk: int, token_by
         if positions is not None:
             positions += losses.double().sum(dim=0).cpu().numpy()
     return totals
+
+
+@torch.no_grad()
+def carried_position_losses(model, rows: np.ndarray, window: int, eod: int, horizon: int,
+                            token_bytes: np.ndarray | None, device) -> tuple[tuple[np.ndarray, ...], int]:
+    """rows [B, W x window + 1], each read window by window with its state carried and reset at
+    document starts (training/carry.py, as data.carry_state trains). Returns ((loss, predictions,
+    bytes) summed per position in the document, float64 [horizon] each), and the count of
+    predictions at positions >= horizon (scored, not in the sums)."""
+    from ..training.carry import RowStates, window_model_inputs
+    loss_at, count_at, bytes_at = (np.zeros(horizon, dtype=np.float64) for _ in range(3))
+    beyond = 0
+    tokens = torch.from_numpy(rows).to(device)
+    carried = RowStates.fresh(len(rows), device=tokens.device)
+    for start in range(0, tokens.shape[1] - 1, window):
+        inputs, targets = tokens[:, start:start + window], tokens[:, start + 1:start + window + 1]
+        kwargs, after = window_model_inputs(inputs, eod, carried)
+        logits, after.layers = model(inputs, return_states=True, **kwargs)
+        carried = after
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        positions = kwargs["position_ids"].flatten().cpu().numpy()
+        losses = losses.double().cpu().numpy()
+        inside = positions < horizon
+        beyond += int((~inside).sum())
+        np.add.at(loss_at, positions[inside], losses[inside])
+        np.add.at(count_at, positions[inside], 1)
+        if token_bytes is not None:
+            np.add.at(bytes_at, positions[inside], token_bytes[targets.flatten().cpu().numpy()[inside]])
+    return (loss_at, count_at, bytes_at), beyond
