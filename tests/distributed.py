@@ -27,7 +27,10 @@ class RankError(RuntimeError):
     pass
 
 
-def _worker(fn, rank, world_size, init_file, results, args, collective_timeout):
+def _worker(fn, rank, world_size, init_file, results, args, collective_timeout, environment=None):
+    if environment is not None:   # the caller's environment now (the fork server's is from its start)
+        os.environ.clear()
+        os.environ.update(environment)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # what torchrun sets, which DeepSpeed checks
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -55,12 +58,23 @@ def _kill(procs):
         p.join(timeout=5)
 
 
+# What every rank imports, imported once by the fork server: each rank is then forked from it
+# (~0.1 s) instead of spawned and importing torch and DeepSpeed anew (~2 s a run on 2 cores).
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_id.training.engine", "megatron_id.model"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)   # (read when the server starts: the first run)
+    return ctx
+
+
 def run_distributed(fn, world_size: int, args=(), timeout: float = 180, collective_timeout: float = 60):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     init_file = tempfile.mktemp(prefix="megatron_id_pg_")
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, init_file, results, args, collective_timeout))
+                         args=(fn, r, world_size, init_file, results, args, collective_timeout, dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
