@@ -64,6 +64,10 @@ class MQARDataConfig:
     num_queries: int = 4
     num_keys: int = 64                 # distinct key ids
     num_values: int = 64               # distinct value ids (chance: 1 / num_values)
+    # > 0: recall across training windows (data.carry_state's test): each episode spans
+    # query_window + 1 windows, the pairs in the first, the queries in the last, and ends with
+    # the id 1 + num_keys + num_values (model.vocab_size must hold it too)
+    query_window: int = 0
 
 
 @dataclass

@@ -208,7 +208,7 @@ def _items(prefix, save, *extra):
     ("model.layer_pattern=IA", r"softmax layers \(model.layer_pattern=IA\): their state is a KV cache"),
     ("train.carry_grad_windows=3", "carry_grad_windows=3: it must be >= 1 and divide model.seq_length=64"),
     ("train.activation_checkpointing=true", "activation_checkpointing=true: a block recomputed"),
-    ("data.source=mqar", "data.source=mqar: it reads streams"),
+    ("data.source=mqar", "data.source=mqar and data.mqar.query_window=0: the classic task"),
 ])
 def test_what_cannot_carry_state_is_refused_from_the_config(setting, mention):
     from megatron_id.config import ConfigError, load_config
@@ -366,3 +366,57 @@ def test_eval_length_with_the_state_carried_scores_each_document_as_one_sequence
     done = subprocess.run([*command[:6], str(export), *command[7:]], capture_output=True, text=True, cwd=ROOT,
                           timeout=600)
     assert done.returncode != 0 and "has softmax layers, whose KV cache would grow" in done.stderr, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- MQAR across windows
+
+def test_mqar_episodes_put_the_queries_windows_after_their_pairs_and_each_row_streams_them():
+    """data.mqar.query_window=2, windows of 32: the pairs open window 0, the queries (and only
+    they) are answers, in window 2 past its first 2 x pairs positions; the episode ends with the
+    end-of-document id; a row's consecutive samples continue its stream of episodes."""
+    from megatron_id.data.mqar import MQARStreams, MQARTask
+    task = MQARTask(seq_length=32, num_pairs=4, num_queries=2, num_keys=16, num_values=16, query_window=2, window=32)
+    task.check(task.vocab_needed)
+    assert task.eod == 33 and task.vocab_needed == 34 and task.episode_tokens == 96
+    episode = task.episode(1, "train", row=3, index=5)
+    assert episode[-1] == task.eod and np.array_equal(episode, task.episode(1, "train", 3, 5))
+    keys, values = episode[0:8:2], episode[1:8:2]
+    assert set(keys) <= set(range(1, 17)) and set(values) <= set(range(17, 33))
+    assert np.all(episode[8:64] == 0)   # filler until the queries' window
+    mask = task.answer_mask(torch.from_numpy(episode[:-1])[None])[0].bool()
+    where = torch.nonzero(mask).flatten().tolist()
+    assert len(where) == 2 and all(64 + 8 <= w <= 96 - 3 for w in where)
+    for w in where:   # a query of a key of the pairs, followed by its value
+        assert episode[w + 1] == values[list(keys).index(episode[w])]
+
+    streams = MQARStreams(task, num_samples=4 * 7, seed=1, rows=4)
+    for row in range(4):
+        windows = [streams[step * 4 + row] for step in range(7)]
+        assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))
+        joined = np.concatenate([windows[0]] + [w[1:] for w in windows[1:]])
+        assert np.array_equal(joined[:96], task.episode(1, "train", row, 0))
+        assert np.array_equal(joined[96:192], task.episode(1, "train", row, 1))
+    with pytest.raises(Exception, match="query_window=2: the window of 8 tokens"):
+        MQARTask(32, 4, 2, 16, 16, query_window=2, window=8).check()
+
+
+@pytest.mark.slow
+def test_the_carry_study_trains_both_controls_and_scores_each_as_trained(tmp_path):
+    """launch/carry_study.py --smoke: carried (96-token samples in 3 windows, the state carried)
+    and reset (the windows read alone) at the same tokens per step; `eval mqar` scores each as
+    it was trained; a rerun skips what is done."""
+    import subprocess
+    import sys
+    command = [sys.executable, str(ROOT / "launch" / "carry_study.py"), "--smoke", "--seeds", "1", "--out",
+               str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for control in ("carried", "reset"):
+        assert (tmp_path / "runs" / f"{control}-seed1" / "latest").read_text().strip() == "iter_0000004"
+        result = json.loads((tmp_path / "eval" / f"{control}-seed1.json").read_text())["results"][0]
+        assert result["task"]["query_window"] == 2 and result["task"]["window"] == 32
+        assert result["answers"] == 2 * 64 and 0 <= result["accuracy"] <= 1
+    table = (tmp_path / "results.md").read_text()
+    assert "| carried | " in table and "| reset | " in table and "carried > 0.9 on every seed" in table
+    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert again.returncode == 0 and again.stdout == done.stdout

@@ -16,6 +16,15 @@ a key asked after the pairs, whose label is that key's value (as Zoology's -100 
 A sample is a function of (seed, split, index) only: any sample can be drawn alone, in any
 order, so a resumed run (which restarts the sampler at the consumed samples) reads the same
 batches, and the train / valid / test splits never share a sequence's random stream.
+
+Across windows (`data.mqar.query_window=N`, for data.carry_state; training/carry.py): an episode
+spans N + 1 windows of the training window W (model.seq_length / train.carry_grad_windows). The
+pairs open its first window, the queries lie in window N (past its first 2 x num_pairs
+positions), filler between; its last token is the end-of-document id (1 + num_keys +
+num_values), so a carried state restarts at the next episode. Each row of the global batch
+reads its own stream of episodes (`MQARStreams`): with the state carried, the queries can be
+answered from the pairs N windows back; with every window read alone (data.carry_state=false,
+the same windows) they cannot, and the accuracy stays at chance.
 """
 from __future__ import annotations
 
@@ -41,12 +50,24 @@ class MQARTask:
     num_queries: int
     num_keys: int
     num_values: int
+    query_window: int = 0  # across windows: the queries this many windows after the pairs (0: one sequence)
+    window: int = 0        # the training window W of an episode (0: seq_length)
 
     @classmethod
-    def from_config(cls, mqar, seq_length: int, vocab_size: int | None = None) -> "MQARTask":
-        task = cls(seq_length, int(mqar.num_pairs), int(mqar.num_queries), int(mqar.num_keys), int(mqar.num_values))
+    def from_config(cls, mqar, seq_length: int, vocab_size: int | None = None, window: int = 0) -> "MQARTask":
+        task = cls(seq_length, int(mqar.num_pairs), int(mqar.num_queries), int(mqar.num_keys), int(mqar.num_values),
+                   int(getattr(mqar, "query_window", 0)), window if getattr(mqar, "query_window", 0) else 0)
         task.check(vocab_size)
         return task
+
+    @property
+    def eod(self) -> int:
+        """The id that ends an episode (across windows only)."""
+        return 1 + self.num_keys + self.num_values
+
+    @property
+    def episode_tokens(self) -> int:
+        return (self.query_window + 1) * (self.window or self.seq_length)
 
     @property
     def first_value(self) -> int:
@@ -54,7 +75,7 @@ class MQARTask:
 
     @property
     def vocab_needed(self) -> int:
-        return 1 + self.num_keys + self.num_values
+        return 1 + self.num_keys + self.num_values + (1 if self.query_window else 0)
 
     @property
     def chance(self) -> float:
@@ -73,8 +94,18 @@ class MQARTask:
         for key, value, ok, valid in rules:
             if not ok:
                 raise MQARConfigError(f"{key}={value} is out of range: it must be {valid}.")
+        if self.query_window < 0:
+            raise MQARConfigError(f"data.mqar.query_window={self.query_window} is out of range: it must be 0 (one "
+                                  f"sequence) or the number of windows between the pairs and the queries.")
+        if self.query_window and self._episode_slots() < self.num_queries:
+            need = 2 * self.num_pairs + 2 * self.num_queries + 1
+            raise MQARConfigError(
+                f"data.mqar.query_window={self.query_window}: the window of {self.window or self.seq_length} tokens "
+                f"(model.seq_length / train.carry_grad_windows) is too short for num_pairs={self.num_pairs} and "
+                f"num_queries={self.num_queries}: the queries' window needs at least {need}; raise "
+                f"model.seq_length or lower the counts.")
         slots = (self.seq_length + 1 - 2 * self.num_pairs) // 2
-        if slots < self.num_queries:
+        if not self.query_window and slots < self.num_queries:
             need = 2 * self.num_pairs + 2 * self.num_queries - 1
             raise MQARConfigError(
                 f"model.seq_length={self.seq_length} is too short for data.mqar.num_pairs={self.num_pairs} and "
@@ -100,12 +131,61 @@ class MQARTask:
         tokens[where], tokens[where + 1] = keys[asked], values[asked]
         return tokens
 
+    def _episode_slots(self) -> int:
+        """(query, answer) places in the queries' window: past its first 2 x num_pairs positions
+        (where answer_mask looks), the answer before the window's last token."""
+        return ((self.window or self.seq_length) - 1 - 2 * self.num_pairs) // 2
+
+    def episode(self, seed: int, split: str, row: int, index: int) -> np.ndarray:
+        """Episode `index` of `row`'s stream (query_window > 0): int64 [episode_tokens], its
+        last token the end-of-document id."""
+        rng = np.random.default_rng([seed, SPLITS[split], row, index, 7])
+        n, q, W = self.num_pairs, self.num_queries, self.window or self.seq_length
+        keys = 1 + rng.choice(self.num_keys, n, replace=False)
+        values = self.first_value + rng.choice(self.num_values, n, replace=False)
+        tokens = np.full(self.episode_tokens, FILLER, dtype=np.int64)
+        tokens[0:2 * n:2], tokens[1:2 * n:2] = keys, values
+        where = self.query_window * W + 2 * n + 2 * np.sort(rng.choice(self._episode_slots(), q, replace=False))
+        asked = rng.choice(n, q, replace=False)
+        tokens[where], tokens[where + 1] = keys[asked], values[asked]
+        tokens[-1] = self.eod
+        return tokens
+
+    def stream(self, seed: int, split: str, row: int, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of `row`'s stream of episodes."""
+        E = self.episode_tokens
+        first, last = start // E, (start + count - 1) // E
+        joined = np.concatenate([self.episode(seed, split, row, e) for e in range(first, last + 1)])
+        return joined[start - first * E:start - first * E + count]
+
     def answer_mask(self, inputs: torch.Tensor) -> torch.Tensor:
         """[B, N] float: 1 where the input is a key asked after the pairs (its label is the answer).
         A function of the inputs alone, so it is found again on any slice of a batch."""
         positions = torch.arange(inputs.shape[-1], device=inputs.device)
+        if self.query_window:   # the position in its window (a sample starts at a window's start)
+            positions = positions % (self.window or self.seq_length)
         is_key = (inputs >= 1) & (inputs <= self.num_keys)
         return (is_key & (positions >= 2 * self.num_pairs)).float()
+
+
+class MQARStreams:
+    """query_window > 0: `rows` streams of episodes, read as StreamOrder reads documents: index i
+    (what PretrainingSampler hands out) is step i // rows of row i % rows, tokens
+    [step x seq_length, (step + 1) x seq_length] of that row's stream."""
+
+    def __init__(self, task: MQARTask, num_samples: int, seed: int, rows: int, split: str = "train"):
+        self.task, self.seed, self.rows, self.split = task, seed, rows, split
+        self.steps = num_samples // rows
+
+    def __len__(self) -> int:
+        return self.steps * self.rows
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        step, row = divmod(int(i), self.rows)
+        n = self.task.seq_length
+        return self.task.stream(self.seed, self.split, row, step * n, n + 1)
 
 
 class MQARDataset:
@@ -125,16 +205,27 @@ class MQARDataset:
 
 @torch.no_grad()
 def score(model, task: MQARTask, seed: int, samples: int, batch_size: int = 64, device="cpu",
-          split: str = "test") -> dict:
+          split: str = "test", carry: bool = True) -> dict:
     """Accuracy (argmax == the value) and the answers' mean loss over `samples` sequences of
-    `split`; `model(inputs)` returns logits [B, N, V]."""
+    `split`; `model(inputs)` returns logits [B, N, V]. Across windows (query_window > 0) a
+    sample is an episode: read whole with carry (the state carried through its windows is the
+    same function: training/carry.py), else each window alone, as a model trained without
+    data.carry_state reads them."""
     correct, total, loss = 0, 0, 0.0
     for start in range(0, samples, batch_size):
-        batch = np.stack([task.sample(seed, split, i) for i in range(start, min(start + batch_size, samples))])
+        count = min(start + batch_size, samples) - start
+        if task.query_window:
+            batch = np.stack([task.episode(seed, split, start + i, 0) for i in range(count)])
+        else:
+            batch = np.stack([task.sample(seed, split, start + i) for i in range(count)])
         tokens = torch.from_numpy(batch).to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         mask = task.answer_mask(inputs).bool()
-        logits = model(inputs).float()
+        if task.query_window and not carry:
+            W = task.window or task.seq_length
+            logits = torch.cat([model(piece).float() for piece in inputs.split(W, dim=1)], dim=1)
+        else:
+            logits = model(inputs).float()
         picked, answers = logits[mask], labels[mask]
         correct += int((picked.argmax(-1) == answers).sum())
         loss += float(torch.nn.functional.cross_entropy(picked, answers, reduction="sum"))

@@ -314,13 +314,16 @@ def run_mqar(source, args) -> dict:
                         f"for a model of text use `eval recall --task mqar`.")
     settings = {**data["mqar"], **{k: getattr(args, k) for k in ("num_pairs", "num_queries", "num_keys", "num_values")
                                    if getattr(args, k) is not None}}
-    task = MQARTask(args.seq_length or cfg.seq_length, **settings)
+    seq_length = args.seq_length or cfg.seq_length
+    window = seq_length // data.get("carry_grad_windows", 1) if settings.get("query_window") else 0
+    task = MQARTask(seq_length, **settings, window=window)
     task.check(cfg.vocab_size)
     model = LanguageModel(cfg, seed=None)
     model.load_state_dict(weights, strict=True)
     model.eval().to(args.device)
     seed = data["seed"] if args.seed is None else args.seed
-    result = score(model, task, seed, args.samples, args.batch_size, args.device)
+    result = score(model, task, seed, args.samples, args.batch_size, args.device,
+                   carry=bool(data.get("carry_state")))   # episodes read as the model was trained
     counts = report(cfg)
     state = counts.decode_state(task.seq_length)
     return {**result, "seed": seed, "task": dataclasses.asdict(task),

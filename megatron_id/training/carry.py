@@ -131,8 +131,9 @@ def check_carry_layout(cfg, layout) -> None:
             f"parallel.context_parallel_size={layout.context} with train.carry_grad_windows={t.carry_grad_windows}",
             f"each window of {m.seq_length // max(t.carry_grad_windows, 1)} tokens splits into "
             f"{layout.context} equal blocks; use a window divisible by it"),
-        d.source != DataSource.gpt: (f"data.source={d.source.value}", "it reads streams of documents from "
-                                     "data.data_path"),
+        d.source == DataSource.mqar and not d.mqar.query_window: (
+            "data.source=mqar and data.mqar.query_window=0", "the classic task's sequences are independent; set "
+            "data.mqar.query_window=N for episodes whose queries come N windows after their pairs"),
         d.source == DataSource.gpt and len(d.data_path) > 1: (   # (a weight, a prefix, ...)
             "a blend of several data.data_path prefixes", "a row's stream comes from one dataset; give one prefix"),
         any(len(path) > 1 for path in d.valid_sets.values()): (

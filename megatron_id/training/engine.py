@@ -68,7 +68,7 @@ from ..data.gpt_dataset import (
     default_cache_dir,
     parse_split,
 )
-from ..data.mqar import MQARDataset, MQARTask, check_mqar_run
+from ..data.mqar import MQARDataset, MQARStreams, MQARTask, check_mqar_run
 from ..errors import UserError
 from ..hf.export import export_hf, why_not_an_export
 from ..parallel import state
@@ -287,12 +287,14 @@ class Trainer:
                                            self.layout.context)
         self.pipelined = self.layout.pipe > 1
         self.documents = DocumentOptions.from_config(cfg.data)   # packed documents (off by default)
+        self.mqar = (MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size,
+                                          window=cfg.model.seq_length // cfg.train.carry_grad_windows)
+                     if cfg.data.source == DataSource.mqar else None)
         self.carry = None   # data.carry_state: each row's state, carried from step to step
         if cfg.data.carry_state:
-            self.carry = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size,
-                                     resolve_eod_id(cfg.data), cfg.train.carry_grad_windows)
-        self.mqar = (MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size)
-                     if cfg.data.source == DataSource.mqar else None)
+            eod = self.mqar.eod if self.mqar is not None else resolve_eod_id(cfg.data)
+            self.carry = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size, eod,
+                                     cfg.train.carry_grad_windows)
         # the one loss of every path: _loss below (plain engine) and the pipeline's last stage
         self.loss = LanguageModelLoss.from_config(cfg, self.tp_group, context=self.context, documents=self.documents,
                                                   mqar=self.mqar)
@@ -393,8 +395,12 @@ class Trainer:
         evals = self.layout.train_iters // max(self.cfg.train.eval_interval, 1) + 1
         n_valid = evals * self.cfg.train.eval_iters * self.layout.global_batch_size
         if d.source == DataSource.mqar:   # generated; its validation split is another random stream
-            self.valid_data = MQARDataset(self.mqar, n_valid, self.cfg.seed, "valid") if n_valid else None
             self.valid_sets = {}
+            if self.mqar.query_window:   # each row its own stream of episodes (carried or not: the same windows)
+                rows = self.layout.global_batch_size
+                self.valid_data = MQARStreams(self.mqar, n_valid, self.cfg.seed, rows, "valid") if n_valid else None
+                return MQARStreams(self.mqar, n_train, self.cfg.seed, rows)
+            self.valid_data = MQARDataset(self.mqar, n_valid, self.cfg.seed, "valid") if n_valid else None
             return MQARDataset(self.mqar, n_train, self.cfg.seed)
         cache, patience = self._index_cache(), 60 * self.cfg.train.collective_timeout_minutes
         train, self.valid_data, _ = build_gpt_datasets(d.data_path, d.split, (n_train, n_valid, 0),
@@ -784,6 +790,7 @@ class Trainer:
                 "index_cache_dir": d.index_cache_dir,
                 "valid_sets": {name: [str(x) for x in path] for name, path in d.valid_sets.items()},
                 "source": d.source.value,
+                "carry_state": d.carry_state, "carry_grad_windows": self.cfg.train.carry_grad_windows,
                 **({"mqar": dataclasses.asdict(d.mqar)} if d.source == DataSource.mqar else {})}
 
     def load_checkpoint(self, root) -> None:

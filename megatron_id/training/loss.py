@@ -55,7 +55,8 @@ class LanguageModelLoss:
         if documents is None:
             documents = DocumentOptions.from_config(cfg.data)
         if mqar is None and cfg.data.source == DataSource.mqar:
-            mqar = MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size)
+            mqar = MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size,
+                                        window=cfg.model.seq_length // cfg.train.carry_grad_windows)
         return cls(cfg.model.vocab_size, tp_group, documents=documents, mqar=mqar, context=context,
                    fused=cfg.train.fused_lm_head_loss)
 
