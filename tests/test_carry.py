@@ -420,3 +420,22 @@ def test_the_carry_study_trains_both_controls_and_scores_each_as_trained(tmp_pat
     assert "| carried | " in table and "| reset | " in table and "carried > 0.9 on every seed" in table
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert again.returncode == 0 and again.stdout == done.stdout
+
+
+def test_carrying_state_on_data_without_an_eod_id_is_refused_before_any_work(tmp_path):
+    """Documents restart the carried state: data written without --append-eod (no EOD id) stops
+    the run in the checks before any work, naming the file and the fix."""
+    from data_tools.preprocess import main as preprocess
+
+    from megatron_id.config import load_config
+    from megatron_id.data.gpt_dataset import DataConfigError
+    from megatron_id.training.engine import check_run
+    from megatron_id.training.layout import training_layout
+    out = tmp_path / "noeod"
+    assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"), "--tokenizer", str(GPT2),
+                       "--output-prefix", str(out), "--no-progress"]) == 0
+    cfg = load_config([TINY], [f"data.data_path=[{out}_text_document]", "data.carry_state=true",
+                               "model.vocab_size=50257", "train.global_batch_size=2", "train.check_host_memory=false"])
+    with pytest.raises(DataConfigError, match=r"data.carry_state needs the end-of-document token id, and "
+                                              r".*noeod_text_document\.meta\.json .*set data\.eod_token_id"):
+        check_run(cfg, training_layout(cfg, 1), on_gpu=False)

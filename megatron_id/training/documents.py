@@ -69,8 +69,12 @@ def document_index(tokens: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, tor
     return seq_idx, positions - first
 
 
-def resolve_eod_id(data) -> int:
-    """data.eod_token_id, else the EOD id every prefix's sidecar records (they must agree)."""
+PACKED_SWITCHES = "data.reset_attention_mask / reset_position_ids / eod_mask_loss need"
+
+
+def resolve_eod_id(data, needed_by: str = PACKED_SWITCHES) -> int:
+    """data.eod_token_id, else the EOD id every prefix's sidecar records (they must agree);
+    `needed_by` names what asks for it in the error."""
     if data.eod_token_id is not None:
         return int(data.eod_token_id)
     found = {}
@@ -81,10 +85,9 @@ def resolve_eod_id(data) -> int:
     if None in ids or not ids:
         unknown = [p for p, i in found.items() if i is None] or list(data.data_path)
         raise DataConfigError(
-            f"data.reset_attention_mask / reset_position_ids / eod_mask_loss need the end-of-document "
-            f"token id, and {unknown[0]}.meta.json does not record one (the data was written without "
-            f"--append-eod, or by another tool): set data.eod_token_id=<id> (50256 for GPT-2's "
-            f"<|endoftext|>), or preprocess with --append-eod.")
+            f"{needed_by} the end-of-document token id, and {unknown[0]}.meta.json does not record one (the "
+            f"data was written without --append-eod, or by another tool): set data.eod_token_id=<id> (50256 "
+            f"for GPT-2's <|endoftext|>), or preprocess with --append-eod.")
     if len(ids) > 1:
         raise DataConfigError(f"the data prefixes record different end-of-document ids "
                               f"({', '.join(f'{p}: {i}' for p, i in found.items())}): set data.eod_token_id "

@@ -159,6 +159,8 @@ def check_run(cfg: Config, layout, on_gpu: bool):
     if not on_gpu:   # the OOM killer ends a CPU run over the host's memory without a word
         check_host_memory(cfg, layout, run_estimate_gib(cfg, layout, on_gpu=False))
     DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
+    if d.carry_state and d.source == DataSource.gpt:   # so does carrying the state (documents restart it)
+        resolve_eod_id(d, "data.carry_state needs")
     check_wandb(cfg)
     check_metrics_file(t.metrics_file)
     check_export_at_end(cfg)
@@ -292,7 +294,7 @@ class Trainer:
                      if cfg.data.source == DataSource.mqar else None)
         self.carry = None   # data.carry_state: each row's state, carried from step to step
         if cfg.data.carry_state:
-            eod = self.mqar.eod if self.mqar is not None else resolve_eod_id(cfg.data)
+            eod = self.mqar.eod if self.mqar is not None else resolve_eod_id(cfg.data, "data.carry_state needs")
             self.carry = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size, eod,
                                      cfg.train.carry_grad_windows)
         # the one loss of every path: _loss below (plain engine) and the pipeline's last stage
