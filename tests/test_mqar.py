@@ -170,7 +170,8 @@ def test_training_resumes_on_the_same_batches_and_eval_scores_the_checkpoint(tmp
                           cwd=ROOT, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads(done.stdout)["results"]
-    assert result["task"] == {"seq_length": 64, "num_pairs": 4, "num_queries": 4, "num_keys": 16, "num_values": 16}
+    assert result["task"] == {"seq_length": 64, "num_pairs": 4, "num_queries": 4, "num_keys": 16, "num_values": 16,
+                              "query_window": 0, "window": 0}
     assert result["answers"] == 400 and result["chance"] == 1 / 16 and result["seed"] == 42
     from megatron_id.model.accounting import report
     assert result["state_bytes_fp32"] == 4 * report(load_config([TINY], mqar_items(whole)).model).fixed_state > 0
