@@ -171,7 +171,9 @@ class MQARTask:
 class MQARStreams:
     """query_window > 0: `rows` streams of episodes, read as StreamOrder reads documents: index i
     (what PretrainingSampler hands out) is step i // rows of row i % rows, tokens
-    [step x seq_length, (step + 1) x seq_length] of that row's stream."""
+    [step x seq_length, (step + 1) x seq_length] of that row's stream, which starts row %
+    (query_window + 1) windows into it: the rows are at every phase of their episodes, so every
+    step of a model reading single windows holds answers (not one step in query_window + 1)."""
 
     def __init__(self, task: MQARTask, num_samples: int, seed: int, rows: int, split: str = "train"):
         self.task, self.seed, self.rows, self.split = task, seed, rows, split
@@ -184,8 +186,8 @@ class MQARStreams:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         step, row = divmod(int(i), self.rows)
-        n = self.task.seq_length
-        return self.task.stream(self.seed, self.split, row, step * n, n + 1)
+        n, phase = self.task.seq_length, row % (self.task.query_window + 1)
+        return self.task.stream(self.seed, self.split, row, step * n + phase * (self.task.window or n), n + 1)
 
 
 class MQARDataset:
