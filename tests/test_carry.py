@@ -395,7 +395,7 @@ def test_mqar_episodes_put_the_queries_windows_after_their_pairs_and_each_row_st
         assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))
         joined = np.concatenate([windows[0]] + [w[1:] for w in windows[1:]])
         phase = (row % 3) * 32   # rows start at every window of their episodes
-        episodes = np.concatenate([task.episode(1, "train", row, e) for e in range(3)])
+        episodes = np.concatenate([task.episode(1, "train", row, e) for e in range(4)])
         assert np.array_equal(joined, episodes[phase:phase + len(joined)])
     with pytest.raises(Exception, match="query_window=2: the window of 8 tokens"):
         MQARTask(32, 4, 2, 16, 16, query_window=2, window=8).check()
