@@ -397,6 +397,9 @@ def test_mqar_episodes_put_the_queries_windows_after_their_pairs_and_each_row_st
         phase = (row % 3) * 32   # rows start at every window of their episodes
         episodes = np.concatenate([task.episode(1, "train", row, e) for e in range(4)])
         assert np.array_equal(joined, episodes[phase:phase + len(joined)])
+    whole = MQARStreams(MQARTask(96, 4, 2, 16, 16, query_window=2, window=32), num_samples=8, seed=1, rows=4)
+    for i in range(8):   # samples of 3 windows: every row reads whole episodes, from the first
+        assert np.array_equal(whole[i][:96], task.episode(1, "train", i % 4, i // 4))
     with pytest.raises(Exception, match="query_window=2: the window of 8 tokens"):
         MQARTask(32, 4, 2, 16, 16, query_window=2, window=8).check()
 

@@ -171,9 +171,10 @@ class MQARTask:
 class MQARStreams:
     """query_window > 0: `rows` streams of episodes, read as StreamOrder reads documents: index i
     (what PretrainingSampler hands out) is step i // rows of row i % rows, tokens
-    [step x seq_length, (step + 1) x seq_length] of that row's stream, which starts row %
-    (query_window + 1) windows into it: the rows are at every phase of their episodes, so every
-    step of a model reading single windows holds answers (not one step in query_window + 1)."""
+    [step x seq_length, (step + 1) x seq_length] of that row's stream. When a sample is one
+    window, row r's stream starts r % (query_window + 1) windows in: the rows are at every phase
+    of their episodes, so every step holds answers (not one in query_window + 1); when a sample
+    holds whole episodes (carried windows), every row starts at its first episode's start."""
 
     def __init__(self, task: MQARTask, num_samples: int, seed: int, rows: int, split: str = "train"):
         self.task, self.seed, self.rows, self.split = task, seed, rows, split
@@ -186,8 +187,9 @@ class MQARStreams:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         step, row = divmod(int(i), self.rows)
-        n, phase = self.task.seq_length, row % (self.task.query_window + 1)
-        return self.task.stream(self.seed, self.split, row, step * n + phase * (self.task.window or n), n + 1)
+        n, window = self.task.seq_length, self.task.window or self.task.seq_length
+        phase = row % (self.task.query_window + 1) if window == n else 0
+        return self.task.stream(self.seed, self.split, row, step * n + phase * window, n + 1)
 
 
 class MQARDataset:
