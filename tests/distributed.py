@@ -27,7 +27,22 @@ class RankError(RuntimeError):
     pass
 
 
-def _worker(fn, rank, world_size, init_file, results, args, collective_timeout, environment=None):
+def _follow_output_of(pid: int) -> None:
+    """Write to what the caller's stdout and stderr are now (pytest's capture of this test): a
+    rank forked from the fork server would otherwise write where the server's were when it
+    started, another test's capture. Linux /proc; elsewhere the output stays where it is."""
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _worker(fn, rank, world_size, init_file, results, args, collective_timeout, environment=None, caller=None):
+    if caller is not None:
+        _follow_output_of(caller)
     if environment is not None:   # the caller's environment now (the fork server's is from its start)
         os.environ.clear()
         os.environ.update(environment)
@@ -74,7 +89,8 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 180, collecti
     results = ctx.Queue()
     init_file = tempfile.mktemp(prefix="megatron_id_pg_")
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, init_file, results, args, collective_timeout, dict(os.environ)))
+                         args=(fn, r, world_size, init_file, results, args, collective_timeout, dict(os.environ),
+                               os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()
