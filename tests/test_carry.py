@@ -430,7 +430,6 @@ def test_carrying_state_on_data_without_an_eod_id_is_refused_before_any_work(tmp
     """Documents restart the carried state: data written without --append-eod (no EOD id) stops
     the run in the checks before any work, naming the file and the fix."""
     from data_tools.preprocess import main as preprocess
-
     from megatron_id.config import load_config
     from megatron_id.data.gpt_dataset import DataConfigError
     from megatron_id.training.engine import check_run
