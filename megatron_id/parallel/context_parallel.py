@@ -119,11 +119,17 @@ def _pick(stacked: torch.Tensor, weights: list) -> torch.Tensor:
     return (stacked * w.view(-1, *[1] * (stacked.dim() - 1))).sum(0)
 
 
+def _block_tail(x: torch.Tensor, width: int, cp: ContextParallel, block: int) -> torch.Tensor:
+    """Block `block`'s last `width` tokens of x [B, L, ...] on every rank (zeros for a block
+    outside 0..C-1), differentiable."""
+    tails = gather(x[:, x.shape[1] - width:], cp)
+    return _pick(tails, [1.0 if j == block else 0.0 for j in range(cp.size)])
+
+
 def previous_tail(x: torch.Tensor, width: int, cp: ContextParallel) -> torch.Tensor:
     """The previous block's last `width` tokens of x [B, L, C] (zeros on the first rank), for
     the short convs' window; differentiable."""
-    tails = gather(x[:, x.shape[1] - width:], cp)
-    return _pick(tails, [1.0 if j == cp.rank - 1 else 0.0 for j in range(cp.size)])
+    return _block_tail(x, width, cp, cp.rank - 1)
 
 
 def incoming_state(block_end: torch.Tensor, transition: torch.Tensor, survives: torch.Tensor | None,
@@ -155,8 +161,7 @@ def incoming_state(block_end: torch.Tensor, transition: torch.Tensor, survives: 
 def last_tail(x: torch.Tensor, width: int, cp: ContextParallel) -> torch.Tensor:
     """The last block's last `width` tokens of x [B, L, ...], on every rank (differentiable):
     what the whole sequence leaves its short convs."""
-    tails = gather(x[:, x.shape[1] - width:], cp)
-    return _pick(tails, [1.0 if j == cp.size - 1 else 0.0 for j in range(cp.size)])
+    return _block_tail(x, width, cp, cp.size - 1)
 
 
 def split_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:

@@ -263,18 +263,19 @@ class InterdomainMixer(nn.Module):
             before = cp.previous_tail(seq_idx[..., None].float(), self.conv_kernel - 1)[..., 0]
             same_document = (before == seq_idx[:, :1].float()).to(projected[1].dtype)[:, None, :]
         conv_in, width = {}, self.conv_kernel - 1
+        last_document = None   # [B, 1, K-1]: which of the sequence's last K-1 tokens are its last document's
+        if conv_out is not None and seq_idx is not None:   # (masked as short_conv masks its tail)
+            documents = cp.last_tail(seq_idx[..., None].float(), width)[..., 0]
+            last_document = (documents == documents[:, -1:]).to(projected[1].dtype)[:, None, :]
         for name, x in zip(names, inputs):
             tail = cp.previous_tail(x, width).transpose(1, 2)   # [B, C, K-1], the conv's state
             if state is not None:   # the first block continues the previous window (a weight, not a
                 # branch on the rank: every rank's backward graph alike, see incoming_state)
                 tail = tail + float(cp.rank == 0) * state["conv"][name].to(tail.dtype)
             conv_in[name] = tail if same_document is None else tail * same_document
-            if conv_out is not None:   # the whole sequence's tail, masked as short_conv masks it
+            if conv_out is not None:   # the whole sequence's tail
                 last = cp.last_tail(x, width).transpose(1, 2)
-                if seq_idx is not None:
-                    documents = cp.last_tail(seq_idx[..., None].float(), width)[..., 0]
-                    last = last * (documents == documents[:, -1:]).to(last.dtype)[:, None, :]
-                conv_out[name] = last
+                conv_out[name] = last if last_document is None else last * last_document
         pos = state["pos"] if state else 0
         rope_offset = pos + cp.rank * block if position_ids is None else position_ids
         query, key, value = self._features(*projected, conv_in, {}, rope_offset, None, starts=starts)
