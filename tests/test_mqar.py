@@ -111,6 +111,12 @@ def test_a_train_command_that_cannot_work_is_refused_before_any_work(tmp_path):
     from megatron_id.data.mqar import check_mqar_run
     with pytest.raises(MQARConfigError, match=r"pipeline_model_parallel_size=2: use 1"):
         check_mqar_run(load_config([TINY], ["data.source=mqar"]), SimpleNamespace(pipe=2))
+    # the window an episode spans is what one forward reads: 96 tokens in 3 windows of 32 hold no
+    # 16 pairs, though 96 would (the check used to measure the whole sample)
+    across = ["data.source=mqar", "data.mqar.query_window=2", "data.mqar.num_pairs=16", "data.mqar.num_keys=64",
+              "data.mqar.num_values=64", "data.carry_state=true", "model.seq_length=96", "train.carry_grad_windows=3"]
+    with pytest.raises(MQARConfigError, match=r"query_window=2: the window of 32 tokens"):
+        check_mqar_run(load_config([TINY], across), SimpleNamespace(pipe=1))
 
 
 def _train(rank, world, items, steps_first=None):

@@ -60,6 +60,13 @@ class MQARTask:
         task.check(vocab_size)
         return task
 
+    @classmethod
+    def of_run(cls, cfg) -> "MQARTask":
+        """The task a training config runs: its window is the one each forward reads
+        (model.seq_length / train.carry_grad_windows), which an episode across windows spans."""
+        return cls.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size,
+                               window=cfg.model.seq_length // max(int(cfg.train.carry_grad_windows), 1))
+
     @property
     def eod(self) -> int:
         """The id that ends an episode (across windows only)."""
@@ -255,4 +262,4 @@ def check_mqar_run(cfg, layout) -> None:
     for present, what, fix in conflicts:
         if present:
             raise MQARConfigError(f"data.source=mqar does not go with {what}: {fix}.")
-    MQARTask.from_config(d.mqar, cfg.model.seq_length, cfg.model.vocab_size)
+    MQARTask.of_run(cfg)

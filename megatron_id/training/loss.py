@@ -55,8 +55,7 @@ class LanguageModelLoss:
         if documents is None:
             documents = DocumentOptions.from_config(cfg.data)
         if mqar is None and cfg.data.source == DataSource.mqar:
-            mqar = MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size,
-                                        window=cfg.model.seq_length // cfg.train.carry_grad_windows)
+            mqar = MQARTask.of_run(cfg)
         return cls(cfg.model.vocab_size, tp_group, documents=documents, mqar=mqar, context=context,
                    fused=cfg.train.fused_lm_head_loss)
 
