@@ -148,6 +148,17 @@ def check_carry_layout(cfg, layout) -> None:
             raise ConfigError(f"{where} cannot run with {setting}: {reason}.")
 
 
+def carried_eod_id(cfg) -> int:
+    """The token that starts a row's state over (a document's end): the generated task's EOD for
+    data.source=mqar, else the data's (an error naming the sidecar and the fix when unknown)."""
+    from ..config import DataSource
+    if cfg.data.source == DataSource.mqar:
+        from ..data.mqar import MQARTask
+        return MQARTask.of_run(cfg).eod
+    from .documents import resolve_eod_id
+    return resolve_eod_id(cfg.data, "data.carry_state needs")
+
+
 class CarriedRows:
     """The state every row of this rank's micro-batches carries into the next step: one
     RowStates per micro-batch of the step (micro-batch m of every step continues the same rows:
@@ -158,6 +169,10 @@ class CarriedRows:
         self.states = [RowStates.fresh(rows) for _ in range(micro_batches)]
         self.next = 0   # the micro-batch of the step that runs next
         self.restarted = 0   # rows restarted because their state was not finite
+
+    def fresh(self) -> "CarriedRows":
+        """The same rows from zero (a validation round starts its rows this way)."""
+        return CarriedRows(len(self.states), self.rows, self.eod_id, self.windows)
 
     def forward(self, model, tokens: torch.Tensor, split=None, **forward_kwargs) -> torch.Tensor:
         """The model's output for this micro-batch's input tokens, from and into its rows' state

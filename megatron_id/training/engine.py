@@ -76,7 +76,7 @@ from ..parallel.context_parallel import ContextParallel, apply_context_parallel,
 from ..parallel.pipeline import pipeline_model
 from ..parallel.tensor_parallel import parallel_model
 from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
-from .carry import CarriedRows
+from .carry import CarriedRows, carried_eod_id
 from .compilation import check_compile_toolchain, compile_engine
 from .distill import Distillation, check_teacher
 from .distributed import (
@@ -88,7 +88,7 @@ from .distributed import (
     skip_deepspeed_shm_build,
     uses_cuda,
 )
-from .documents import DocumentOptions, document_index, resolve_eod_id
+from .documents import DocumentOptions, document_index
 from .layout import deepspeed_config, training_layout
 from .loss import LanguageModelLoss
 from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
@@ -159,8 +159,8 @@ def check_run(cfg: Config, layout, on_gpu: bool):
     if not on_gpu:   # the OOM killer ends a CPU run over the host's memory without a word
         check_host_memory(cfg, layout, run_estimate_gib(cfg, layout, on_gpu=False))
     DocumentOptions.from_config(d)   # packed-document switches need an EOD id: named here if missing
-    if d.carry_state and d.source == DataSource.gpt:   # so does carrying the state (documents restart it)
-        resolve_eod_id(d, "data.carry_state needs")
+    if d.carry_state:   # so does carrying the state (documents restart it)
+        carried_eod_id(cfg)
     check_wandb(cfg)
     check_metrics_file(t.metrics_file)
     check_export_at_end(cfg)
@@ -289,14 +289,11 @@ class Trainer:
                                            self.layout.context)
         self.pipelined = self.layout.pipe > 1
         self.documents = DocumentOptions.from_config(cfg.data)   # packed documents (off by default)
-        self.mqar = (MQARTask.from_config(cfg.data.mqar, cfg.model.seq_length, cfg.model.vocab_size,
-                                          window=cfg.model.seq_length // cfg.train.carry_grad_windows)
-                     if cfg.data.source == DataSource.mqar else None)
+        self.mqar = MQARTask.of_run(cfg) if cfg.data.source == DataSource.mqar else None
         self.carry = None   # data.carry_state: each row's state, carried from step to step
         if cfg.data.carry_state:
-            eod = self.mqar.eod if self.mqar is not None else resolve_eod_id(cfg.data, "data.carry_state needs")
-            self.carry = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size, eod,
-                                     cfg.train.carry_grad_windows)
+            self.carry = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size,
+                                     carried_eod_id(cfg), cfg.train.carry_grad_windows)
         # the one loss of every path: _loss below (plain engine) and the pipeline's last stage
         self.loss = LanguageModelLoss.from_config(cfg, self.tp_group, context=self.context, documents=self.documents,
                                                   mqar=self.mqar)
@@ -531,8 +528,7 @@ class Trainer:
         loss_of = self._loss
         if self.carry is not None:   # as training reads: each row's windows in order, its state carried
             # through the round's eval_iters batches (from zero at the round's start)
-            rows = CarriedRows(self.layout.gradient_accumulation, self.layout.micro_batch_size, self.carry.eod_id,
-                               self.carry.windows)
+            rows = self.carry.fresh()
             loss_of = lambda batch: self._carried_loss(batch, rows)   # noqa: E731
         for indices in sampler:
             total += loss_of(self._batch(dataset, indices)).detach().float()
