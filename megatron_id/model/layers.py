@@ -169,8 +169,14 @@ def short_conv(x, weight, bias, state=None, starts=None):
         for j in range(K):
             same = (document[:, j:j + N] == document[:, K - 1:]).to(xt.dtype)[:, None, :]
             y = y + w[:, j, None] * xp[..., j:j + N] * same
-        # the tail the next call continues from holds the last document's inputs only: one that
-        # starts in the last K-1 tokens must not be read back across by the next window
-        tail, tail_document = xp[..., xp.shape[-1] - (K - 1):], document[:, xp.shape[-1] - (K - 1):]
-        return y.transpose(1, 2), tail * (tail_document == document[:, -1:]).to(xp.dtype)[:, None]
+        tail = last_document_only(xp[..., xp.shape[-1] - (K - 1):], document[:, xp.shape[-1] - (K - 1):])
+        return y.transpose(1, 2), tail
     return y.transpose(1, 2), xp[..., xp.shape[-1] - (K - 1):]
+
+
+def last_document_only(tail: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """A conv tail [B, C, K-1] the next call continues from, zero where its token is not in the
+    last document (documents [B, K-1]: each token's document id): a document that starts in the
+    last K-1 tokens must not be read back across by the next window (short_conv, and the context
+    parallel tail of the interdomain mixer)."""
+    return tail * (documents == documents[:, -1:]).to(tail.dtype)[:, None]

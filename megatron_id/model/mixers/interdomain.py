@@ -40,7 +40,17 @@ from ...ops.interdomain.ssm import (
     s4d_inv_init,
 )
 from ...ops.segments import run_in_segments
-from ..layers import Linear, RMSNorm, ShortConv, apply_rope, feature_map, left_padding, rms_norm, short_conv
+from ..layers import (
+    Linear,
+    RMSNorm,
+    ShortConv,
+    apply_rope,
+    feature_map,
+    last_document_only,
+    left_padding,
+    rms_norm,
+    short_conv,
+)
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL, SSM_PER_HEAD, SSM_SHARED_NORM, WITH_HEADS
 from ..spec import mixer_module
 from .decode import DecodeFacts, FixedStateStatic, fixed_state_step, state_dtype
@@ -263,10 +273,9 @@ class InterdomainMixer(nn.Module):
             before = cp.previous_tail(seq_idx[..., None].float(), self.conv_kernel - 1)[..., 0]
             same_document = (before == seq_idx[:, :1].float()).to(projected[1].dtype)[:, None, :]
         conv_in, width = {}, self.conv_kernel - 1
-        last_document = None   # [B, 1, K-1]: which of the sequence's last K-1 tokens are its last document's
-        if conv_out is not None and seq_idx is not None:   # (masked as short_conv masks its tail)
-            documents = cp.last_tail(seq_idx[..., None].float(), width)[..., 0]
-            last_document = (documents == documents[:, -1:]).to(projected[1].dtype)[:, None, :]
+        last_documents = None   # [B, K-1]: the document ids of the sequence's last K-1 tokens
+        if conv_out is not None and seq_idx is not None:
+            last_documents = cp.last_tail(seq_idx[..., None].float(), width)[..., 0]
         for name, x in zip(names, inputs):
             tail = cp.previous_tail(x, width).transpose(1, 2)   # [B, C, K-1], the conv's state
             if state is not None:   # the first block continues the previous window (a weight, not a
@@ -275,7 +284,7 @@ class InterdomainMixer(nn.Module):
             conv_in[name] = tail if same_document is None else tail * same_document
             if conv_out is not None:   # the whole sequence's tail
                 last = cp.last_tail(x, width).transpose(1, 2)
-                conv_out[name] = last if last_document is None else last * last_document
+                conv_out[name] = last if last_documents is None else last_document_only(last, last_documents)
         pos = state["pos"] if state else 0
         rope_offset = pos + cp.rank * block if position_ids is None else position_ids
         query, key, value = self._features(*projected, conv_in, {}, rope_offset, None, starts=starts)
