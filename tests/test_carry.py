@@ -405,23 +405,34 @@ def test_mqar_episodes_put_the_queries_windows_after_their_pairs_and_each_row_st
 
 
 @pytest.mark.slow
-def test_the_carry_study_trains_both_controls_and_scores_each_as_trained(tmp_path):
-    """launch/carry_study.py --smoke: carried (96-token samples in 3 windows, the state carried)
-    and reset (the windows read alone) at the same tokens per step; `eval mqar` scores each as
-    it was trained; a rerun skips what is done."""
+def test_the_carry_study_trains_both_controls_of_both_studies_and_scores_each_as_trained(tmp_path):
+    """launch/carry_study.py --smoke: MQAR carried (48-token episodes in 3 windows, the state
+    carried) and reset (the windows read alone) at the same tokens per step, `eval mqar` scoring
+    each as it was trained; long text carried against reset, both read to 8x the window by `eval
+    length --carry-state`; a rerun skips what is done and prints the same tables."""
     import subprocess
     import sys
+    sample = ROOT / "tests" / "data" / "fineweb-edu-sample-150.jsonl"
     command = [sys.executable, str(ROOT / "launch" / "carry_study.py"), "--smoke", "--seeds", "1", "--out",
-               str(tmp_path)]
+               str(tmp_path), "--train-text", str(sample), "--val-text", str(sample)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     for control in ("carried", "reset"):
         assert (tmp_path / "runs" / f"{control}-seed1" / "latest").read_text().strip() == "iter_0000004"
         result = json.loads((tmp_path / "eval" / f"{control}-seed1.json").read_text())["results"][0]
-        assert result["task"]["query_window"] == 2 and result["task"]["window"] == 32
+        assert result["task"]["query_window"] == 2 and result["task"]["window"] == 16
         assert result["answers"] == 2 * 64 and 0 <= result["accuracy"] <= 1
+        text = json.loads((tmp_path / "eval" / f"text-{control}-seed1.json").read_text())["results"][0]
+        assert text["carry_state"] and text["train_length"] == 32 and text["windows_per_row"] == 8
+        assert [c["factor"] for c in text["contexts"]] == [1, 2, 4, 8]
+        assert len(text["positions"]["buckets"]) == 8 and all(b["tokens"] > 0 for b in text["positions"]["buckets"])
+    carried = torch.load(tmp_path / "runs" / "text-carried-seed1" / "iter_0000004" / "carried_state_rank00000.pt",
+                         weights_only=True)
+    assert carried, "the carried text run saved no carried state"
+    assert not (tmp_path / "runs" / "text-reset-seed1" / "iter_0000004" / "carried_state_rank00000.pt").exists()
     table = (tmp_path / "results.md").read_text()
     assert "| carried | " in table and "| reset | " in table and "carried > 0.9 on every seed" in table
+    assert "## Long text" in table and "carried's perplexity to 8x below reset's" in table
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert again.returncode == 0 and again.stdout == done.stdout
 
