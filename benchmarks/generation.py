@@ -190,7 +190,8 @@ def server_rows(clients=(1, 8, 32), prefix: int = 256, max_tokens: int = 32, req
                     for _ in range(requests):
                         body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
                         reply = json.loads(urllib.request.urlopen(urllib.request.Request(
-                            url + "/v1/completions", data=body), timeout=1800).read())
+                            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}),
+                            timeout=1800).read())
                         assert reply["usage"]["completion_tokens"] == max_tokens
                 client()   # warm-up
                 for n in clients:

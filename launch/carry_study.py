@@ -40,7 +40,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reproduce as R  # noqa: E402  (launch/reproduce.py: the --out rule and the over-seeds verdicts)
+
+ROOT = R.ROOT
 REPLICATION = ROOT / "configs" / "replication"
 EPISODE_WINDOWS = 3
 CONTROLS = ("carried", "reset")
@@ -187,12 +190,6 @@ def text_study(args) -> str:
     return text_table(args, results)
 
 
-def spread(values: list[float], digits: int = 3) -> str:
-    mean = sum(values) / len(values)
-    return f"{mean:.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]" if len(values) > 1 else \
-        f"{mean:.{digits}f}"
-
-
 def text_table(args, results: dict) -> str:
     """Perplexity of the predictions within F windows of their document's start, its ratio to
     1x, the loss by window of the document, and the orderings over seeds."""
@@ -212,8 +209,8 @@ def text_table(args, results: dict) -> str:
              "|---|" + "---|" * (len(TEXT_FACTORS) + 1)]
     for control in CONTROLS:
         ratio = [b / a for a, b in zip(ppl(control, 1), ppl(control, 8))]
-        lines.append(f"| {control} | " + " | ".join(spread(ppl(control, f), 2) for f in TEXT_FACTORS)
-                     + f" | {spread(ratio)} |")
+        lines.append(f"| {control} | " + " | ".join(R.spread(ppl(control, f), 2) for f in TEXT_FACTORS)
+                     + f" | {R.spread(ratio)} |")
     buckets = first["positions"]["buckets"]
     lines += ["", "Loss (nats) by window of the article (mean over seeds; tokens scored in brackets):", "",
               "| training | " + " | ".join(f"{b['start'] // args.text_window + 1}" for b in buckets) + " |",
@@ -223,12 +220,10 @@ def text_table(args, results: dict) -> str:
         lines.append(f"| {control} | " + " | ".join(f"{sum(c) / len(c):.3f}" for c in zip(*per_seed)) + " |")
     lines.append("| (tokens) | " + " | ".join(f"{b['tokens']:,}" for b in buckets) + " |")
 
-    def verdict(a: list[float], b: list[float]) -> str:   # a below b by every seed
-        return "holds" if max(a) < min(b) else ("does not hold" if min(a) > max(b) else "tie (ranges overlap)")
     far = [b / a for a, b in zip(ppl("carried", 1), ppl("carried", 8))]
     far_reset = [b / a for a, b in zip(ppl("reset", 1), ppl("reset", 8))]
-    lines += ["", f"- carried's perplexity to 8x below reset's: **{verdict(ppl('carried', 8), ppl('reset', 8))}**",
-              f"- carried's 8x / 1x below reset's: **{verdict(far, far_reset)}**"]
+    lines += ["", f"- carried's perplexity to 8x below reset's: {R.below(ppl('carried', 8), ppl('reset', 8))}",
+              f"- carried's 8x / 1x below reset's: {R.below(far, far_reset)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -275,6 +270,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"carry_study: error: --text-eval-tokens {args.text_eval_tokens:,} is too few to read "
                              f"{args.text_rows} rows to {TEXT_FACTORS[-1]}x the window of {args.text_window}: give at "
                              f"least {args.text_rows * TEXT_FACTORS[-1] * args.text_window:,}.")
+    R.check_out(args.out, tool="carry_study")
     args.out.mkdir(parents=True, exist_ok=True)
     sections = [mqar_study(args) if "mqar" in args.study else "", text_study(args) if "text" in args.study else ""]
     text = "\n".join(s for s in sections if s)

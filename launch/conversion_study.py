@@ -400,7 +400,7 @@ def main(argv=None) -> int:
         if not f.is_file():
             raise SystemExit(f"conversion-study: error: {f} not found: --corpus must be the folder holding the "
                              "Wikipedia shards (../shared/data/corpus).")
-    R.check_out(args)
+    R.check_out(args.out, args.report, "conversion-study")
     args.out.mkdir(parents=True, exist_ok=True)
     run = R.Run(args)
     # the teacher's settings are checked always, the students' once a student step has run (the

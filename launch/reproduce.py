@@ -286,30 +286,29 @@ def report_paths(args) -> tuple[Path, Path]:
     return args.report or docs / "replication.md", args.report or docs / "replication-cube.md"
 
 
-def check_out(args) -> None:
-    """--out is a working folder this script created (state.json or logs/ in it: a run to
+def check_out(out: Path, report: Path | None = None, tool: str = "reproduce") -> None:
+    """--out is a working folder a study script created (state.json or logs/ in it: a run to
     continue), an empty one or a new one; a file, or a folder of other things, is refused
-    before any work (it would write tokenizer.json, data/, runs/ ... among them). --report is
-    a file whose folder exists (it is written hours later)."""
-    out = args.out
+    before any work (it would write tokenizer.json, data/, runs/, results.md ... among them).
+    --report is a file whose folder exists (it is written hours later). `tool` names the script
+    in the errors (reproduce, conversion-study and carry_study share this rule)."""
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"reproduce: error: --out {out} is a file: give a folder (new, empty, or an earlier "
+        raise SystemExit(f"{tool}: error: --out {out} is a file: give a folder (new, empty, or an earlier "
                          f"run's to continue it).")
     if out.is_dir() and any(out.iterdir()) and not ((out / "state.json").is_file() or (out / "logs").is_dir()):
-        raise SystemExit(f"reproduce: error: --out {out} holds other files and no run of this script (no state.json "
+        raise SystemExit(f"{tool}: error: --out {out} holds other files and no run of this script (no state.json "
                          f"or logs/): give a new or empty folder, or an earlier run's to continue it.")
     for parent in out.parents:   # the first existing folder above a new --out must be a folder
         if parent.exists():
             if not parent.is_dir():
-                raise SystemExit(f"reproduce: error: --out {out}: {parent} is a file, not a folder.")
+                raise SystemExit(f"{tool}: error: --out {out}: {parent} is a file, not a folder.")
             break
-    if args.report is not None:
-        if args.report.is_dir():
-            raise SystemExit(f"reproduce: error: --report {args.report} is a folder: give a file name "
-                             f"(e.g. {args.report / 'replication.md'}).")
-        if not args.report.parent.is_dir():
-            raise SystemExit(f"reproduce: error: --report {args.report}: the folder {args.report.parent} does "
-                             f"not exist.")
+    if report is not None:
+        if report.is_dir():
+            raise SystemExit(f"{tool}: error: --report {report} is a folder: give a file name "
+                             f"(e.g. {report / 'replication.md'}).")
+        if not report.parent.is_dir():
+            raise SystemExit(f"{tool}: error: --report {report}: the folder {report.parent} does not exist.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,7 +380,7 @@ def main(argv=None) -> int:
         if not cells:
             raise SystemExit(f"reproduce: error: --cells {' '.join(args.cells)} matches no cell of --study "
                              f"{' '.join(args.study)} (cells are named like length/softmax-seed1).")
-    check_out(args)
+    check_out(args.out, args.report)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -90,3 +90,31 @@ def test_a_sequence_moved_into_a_freed_slot_decodes_on_as_alone():
                      sequences[3].id: {2, 0}}, slots
     for s, p, n in zip(sequences, ps, budgets):
         assert s.tokens == list(generate_ids(model, p, n)), s.id
+
+
+def test_a_failing_sequence_fails_alone_and_the_others_decode_on_as_alone(monkeypatch):
+    """A draw that raises (here: one request's sampling) ends that sequence with finish_reason
+    "error" and frees its slot; the sequences beside it give what they give alone; a batch of
+    prompts (generate_batch) stops with the error rather than return a partial result."""
+    from megatron_id.inference import batching
+    model = tiny([], dtype=torch.float32)
+    ps = prompts(4, seed=2)
+    real = batching.sample
+
+    def sample(logits, temperature, top_k, generator):
+        if temperature == 0.5:   # the marked request
+            raise RuntimeError("injected")
+        return real(logits, temperature, top_k, generator)
+    monkeypatch.setattr(batching, "sample", sample)
+    batcher = ContinuousBatcher(model, slots=2)
+    sequences = [batcher.submit(Request(p, 6, temperature=0.5 if i == 1 else 0.0)) for i, p in enumerate(ps)]
+    events = []
+    while batcher.busy():
+        events += batcher.step()
+    assert [s.finish_reason for s in sequences] == ["length", "error", "length", "length"]
+    assert str(sequences[1].error) == "injected" and (sequences[1], None, True) in events
+    for i in (0, 2, 3):
+        assert sequences[i].tokens == list(generate_ids(model, ps[i], 6)), i
+    assert not batcher.running and batcher.failed_decodes == 0
+    with pytest.raises(RuntimeError, match="injected"):
+        generate_batch(model, ps, 4, slots=2, temperature=0.5)

@@ -230,15 +230,19 @@ def test_gpu_check_gpu_steps_on_a_cpu_machine_say_so(tmp_path):
             mention=r"gpu_check losses: --out .*: give a file in an existing folder \(it is a folder\)")
 
 
-def test_reproduce_refuses_an_out_that_is_a_file_or_holds_other_things(tmp_path):
+def test_the_study_scripts_refuse_an_out_that_is_a_file_or_holds_other_things(tmp_path):
     """`reproduce.py --out FILE` was FileExistsError's traceback; a folder of other files would have
-    received tokenizer.json, data/, runs/ ... among them."""
+    received tokenizer.json, data/, runs/ ... among them (carry_study's results.md would have
+    replaced a file of that name). The three study scripts share the rule (reproduce.check_out)."""
     mine = tmp_path / "notes.txt"
     mine.write_text("mine")
-    base = ["launch.reproduce", "--study", "mqar", "--out"]
-    refused([*base, mine], unchanged=[tmp_path], mention=r"--out .*notes.txt is a file: give a folder")
-    refused([*base, mine / "sub"], unchanged=[tmp_path], mention=r"--out .*notes.txt/sub: .*notes.txt is a file")
-    refused([*base, tmp_path], unchanged=[tmp_path],
-            mention=r"--out .* holds other files and no run of this script \(no state.json or logs/\)")
-    refused([*base, tmp_path / "new", "--report", tmp_path], unchanged=[tmp_path],
-            mention=r"--report .* is a folder: give a file name")
+    for base in (["launch.reproduce", "--study", "mqar", "--out"], ["launch.carry_study", "--study", "mqar", "--out"],
+                 ["launch.conversion_study", "--smoke", "--out"]):
+        tool = base[0].split(".")[1].replace("conversion_study", "conversion-study")
+        refused([*base, mine], unchanged=[tmp_path],
+                mention=rf"^{tool}: error: --out .*notes.txt is a file: give a folder")
+        refused([*base, mine / "sub"], unchanged=[tmp_path], mention=r"--out .*notes.txt/sub: .*notes.txt is a file")
+        refused([*base, tmp_path], unchanged=[tmp_path],
+                mention=r"--out .* holds other files and no run of this script \(no state.json or logs/\)")
+    refused(["launch.reproduce", "--study", "mqar", "--out", tmp_path / "new", "--report", tmp_path],
+            unchanged=[tmp_path], mention=r"--report .* is a folder: give a file name")

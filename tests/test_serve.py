@@ -33,11 +33,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, folder, *args):
+    def __init__(self, folder, *args, launcher=("-m", "megatron_id.cli")):
         self.port = free_port()
         self.log = open(folder.parent / f"serve-{self.port}.log", "w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "megatron_id.cli", "serve", "--checkpoint", str(folder), "--port", str(self.port),
+            [sys.executable, *map(str, launcher), "serve", "--checkpoint", str(folder), "--port", str(self.port),
              "--threads", "1", *map(str, args)], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL)
         deadline = time.time() + 120
@@ -143,7 +143,8 @@ def test_thirty_two_clients_get_what_generate_gives_alone_and_memory_stays_flat(
         assert health["pending"] == 0 and health["finished"] == {"length": 288}, health
         # a client that goes away mid-stream: its sequence is cancelled, not decoded to the end
         request = urllib.request.Request(server.url("/v1/completions"), data=json.dumps(
-            {"prompt": "The water cycle", "max_tokens": 3000, "temperature": 0, "stream": True}).encode())
+            {"prompt": "The water cycle", "max_tokens": 3000, "temperature": 0, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as r:
             assert r.readline().startswith(b"data: {")
         deadline = time.time() + 30
@@ -186,7 +187,8 @@ def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
 
         def stream():
             request = urllib.request.Request(server.url("/v1/completions"), data=json.dumps(
-                {"prompt": "The water cycle", "max_tokens": 35, "temperature": 0, "stream": True}).encode())
+                {"prompt": "The water cycle", "max_tokens": 35, "temperature": 0, "stream": True}).encode(),
+                headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as r:
                 streams.append(r.read().decode())
         threads = [threading.Thread(target=stream) for _ in range(2)]
@@ -229,7 +231,7 @@ def test_a_request_for_another_model_gets_404_as_from_openai_servers(export):
     from aiohttp.test_utils import TestClient, TestServer
 
     from megatron_id.inference.generate import load_trained
-    from megatron_id.inference.server import build_app
+    from megatron_id.inference.server import ServeLimits, build_app
 
     class Idle:   # no request gets as far as the engine here
         failure, max_pending = None, 1
@@ -238,7 +240,7 @@ def test_a_request_for_another_model_gets_404_as_from_openai_servers(export):
             return 0
 
     async def ask():
-        app = build_app(Idle(), load_trained(export).tokenizer, "hf", 64, 1.0)
+        app = build_app(Idle(), load_trained(export).tokenizer, "hf", 64, ServeLimits(drain_timeout=1.0))
         async with TestClient(TestServer(app)) as client:
             reply = await client.post("/v1/completions", json={"model": "gpt-4", "prompt": "Hi"})
             return reply.status, await reply.json()
@@ -297,3 +299,33 @@ def test_a_kv_pool_larger_than_the_memory_is_refused_before_it_is_allocated(expo
         captured = capsys.readouterr()
         assert captured.out == "" and "--max-new-tokens 100,000,000 after a prompt" in captured.err.replace(
             "after prompts", "after a prompt"), captured
+
+
+def test_an_engine_that_cannot_go_on_makes_the_server_exit_1_for_its_supervisor(export, tmp_path):
+    """Before: the engine thread died, every request and /health answered 500 for good, and the
+    process stayed up (SIGTERM then exited 0): a supervisor saw nothing wrong. Here the decode
+    step always fails (a device gone): each request gets its JSON error, and after 3 failed steps
+    in a row the server drains and exits 1."""
+    script = tmp_path / "broken_device.py"
+    script.write_text("import sys\n"
+                      "from megatron_id.inference.fused_decode import FusedDecoder\n"
+                      "def gone(self, tokens):\n"
+                      "    raise RuntimeError('injected: the device is gone')\n"
+                      "FusedDecoder.step = gone\n"
+                      "from megatron_id.cli import main\n"
+                      "sys.exit(main(sys.argv[1:]))\n")
+    server = Server(export, "--slots", 1, launcher=[script])
+    try:
+        replies = [server.post({"prompt": "The water cycle", "max_tokens": 4, "temperature": 0}) for _ in range(2)]
+        assert [(code, reply["error"]["code"]) for code, reply, _ in replies] == [(500, "generation_failed")] * 2
+        assert "injected" not in json.dumps(replies), "the client was shown the exception's text"
+        try:
+            server.post({"prompt": "The water cycle", "max_tokens": 4, "temperature": 0})
+        except OSError:
+            pass   # (the server may be gone already)
+        assert server.process.wait(timeout=60) == 1, server.output()
+        log = server.output()
+        assert "the decode step failed 3 times in a row" in log and "stopped after an engine failure" in log, log
+        assert "injected: the device is gone" in log   # the cause is in the log, for the operator
+    finally:
+        server.stop()

@@ -22,6 +22,24 @@ def add_parser(sub) -> None:
     sv.add_argument("--prefill-chunk-size", type=int, default=2048)
     sv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
     sv.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    sv.add_argument("--api-key", default=None,
+                    help="clients must send 'Authorization: Bearer KEY' (every endpoint but /health); default: "
+                         "$MEGATRON_ID_API_KEY, which keeps the key out of the process list; none: no key")
+    sv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                    help="a host name clients may address the server by (Host and Origin headers; repeatable). "
+                         "On a loopback --host, localhost and 127.0.0.1 are allowed and every other name refused "
+                         "(403: DNS rebinding); on another --host, only the names given, or any if none")
+    sv.add_argument("--max-pending-per-client", type=int, default=None,
+                    help="requests one client address may have queued or running; the next gets 429 "
+                         "(default: no limit but --max-pending)")
+    sv.add_argument("--read-timeout", type=float, default=30.0,
+                    help="seconds a client has to send a request's body; then 408 (default 30)")
+    sv.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds a request may take in all; then it is cancelled with 504 (default 600; 0: none)")
+    sv.add_argument("--max-body-size", type=float, default=4.0,
+                    help="largest request body in MiB; larger gets 413 (default 4)")
+    sv.add_argument("--access-log", default=None, metavar="FILE",
+                    help="one line per request, appended to FILE (- for stderr); default: none")
     sv.add_argument("--tokenizer", help="tokenizer.json (default: the one the checkpoint or export records)")
     sv.add_argument("--allow-tokenizer-mismatch", action="store_true", help=MISMATCH_HELP)
     sv.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
@@ -37,9 +55,22 @@ def run(args) -> int:
                                  ("--threads", args.threads, 1)):
         if value is not None and value < least:
             raise BadOptionError(f"{option} {value}: at least {least}.")
+    for option, value in (("--read-timeout", args.read_timeout), ("--max-body-size", args.max_body_size)):
+        if not value > 0:
+            raise BadOptionError(f"{option} {value}: more than 0.")
+    if not args.request_timeout >= 0:
+        raise BadOptionError(f"--request-timeout {args.request_timeout}: at least 0 (0: no limit).")
+    if args.api_key is not None and not args.api_key.strip():
+        raise BadOptionError("--api-key is empty: give a key, or leave the flag out for none.")
+    if args.max_pending_per_client is not None and args.max_pending_per_client < 1:
+        raise BadOptionError(f"--max-pending-per-client {args.max_pending_per_client}: at least 1.")
     if args.port > 65535 or args.drain_timeout < 0:
         raise BadOptionError(f"--port {args.port} / --drain-timeout {args.drain_timeout}: a port up to 65535, "
                              f"a timeout of at least 0 seconds.")
     check_options(0, prefill_chunk_size=args.prefill_chunk_size)
+    try:
+        import aiohttp  # noqa: F401  (the server's HTTP side)
+    except ImportError:
+        raise BadOptionError("megatron-id serve needs aiohttp: pip install 'megatron_id[serve]'.") from None
     from ..inference.server import serve
     return serve(args)

@@ -35,6 +35,7 @@ class Request:
     top_k: int = 0
     seed: int = 0
     eos_id: int | None = None
+    name: str = ""          # how logs name it (the server's completion id)
 
 
 @dataclass
@@ -42,9 +43,10 @@ class Sequence:
     request: Request
     id: int
     tokens: list[int] = field(default_factory=list)    # generated so far
-    finish_reason: str | None = None                    # "stop" (end of document) or "length"
+    finish_reason: str | None = None                    # "stop" (end of document), "length", "cancelled", "error"
     slot: int | None = None
     cancelled: bool = False
+    error: BaseException | None = None                  # what failed it (finish_reason "error")
 
 
 class ContinuousBatcher:
@@ -59,6 +61,7 @@ class ContinuousBatcher:
         self.generators: dict[int, torch.Generator] = {}
         self.next_token = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._ids = itertools.count()
+        self.failed_decodes = 0   # decode steps in a row that failed (the server stops past a few)
 
     def check(self, request: Request) -> None:
         """Refuse what could never be served (before it is queued)."""
@@ -66,8 +69,10 @@ class ContinuousBatcher:
             raise BadOptionError("the prompt is empty (no tokens): give a prompt with some text.")
         if request.max_new_tokens < 1:
             raise BadOptionError(f"max_tokens {request.max_new_tokens}: at least 1.")
-        if request.temperature < 0 or request.top_k < 0:
+        if not request.temperature >= 0 or request.top_k < 0:   # (a NaN temperature fails the comparison)
             raise BadOptionError(f"temperature {request.temperature}, top_k {request.top_k}: both at least 0.")
+        if not 0 <= request.seed < 2**64:
+            raise BadOptionError(f"seed {request.seed}: from 0 to 2^64 - 1 (torch.Generator's range).")
         if self.capacity is not None and len(request.prompt) + request.max_new_tokens > self.capacity:
             raise BadOptionError(f"the prompt's {len(request.prompt)} tokens and max_tokens "
                                  f"{request.max_new_tokens} exceed this model's {self.capacity}-token KV cache: "
@@ -112,12 +117,24 @@ class ContinuousBatcher:
             self.next_token[sequence.slot] = token
         events.append((sequence, token, sequence.finish_reason is not None))
 
+    def _fail(self, sequence: Sequence, error: BaseException, events: list) -> None:
+        """This sequence ends with finish_reason "error" (its slot freed, the others untouched)."""
+        sequence.error = error
+        if sequence.slot is not None and self.running.get(sequence.slot) is sequence:
+            self._finish(sequence, "error")
+        else:   # failed while being admitted: its slot may hold part of its state
+            if sequence.slot is not None:
+                self.decoder.clear(sequence.slot)
+            sequence.finish_reason = "error"
+            self.generators.pop(sequence.id, None)
+        events.append((sequence, None, True))
+
     @torch.no_grad()
     def _admit(self, sequence: Sequence, slot: int, events: list) -> None:
         request = sequence.request
         logits, states = prefill(self.model, request.prompt, self.prefill_chunk_size)
-        self.decoder.load(slot, states, len(request.prompt))
         sequence.slot = slot
+        self.decoder.load(slot, states, len(request.prompt))
         self.running[slot] = sequence
         generator = None
         if request.temperature > 0:
@@ -127,7 +144,9 @@ class ContinuousBatcher:
     def step(self) -> list:
         """Admit waiting sequences into free slots (each yields its first token from its
         prefill), then one decode step for every running one. Returns (sequence, token,
-        finished) events in the order they happened."""
+        finished) events in the order they happened; token None with finish_reason "error" for
+        a sequence that failed. A failure fails only the sequences it touched: a prefill or a
+        draw its own sequence, the shared decode step every running one; the batcher goes on."""
         events = []
         for sequence in [s for s in self.running.values() if s.cancelled]:
             self._finish(sequence, "cancelled")
@@ -136,16 +155,30 @@ class ContinuousBatcher:
             if sequence.cancelled:
                 sequence.finish_reason = "cancelled"
                 continue
-            self._admit(sequence, len(self.running), events)
+            try:
+                self._admit(sequence, len(self.running), events)
+            except Exception as error:
+                self._fail(sequence, error, events)
         if not self.running:
             return events
-        logits = self.decoder.step(self.next_token[:len(self.running)])
+        try:
+            logits = self.decoder.step(self.next_token[:len(self.running)])
+        except Exception as error:
+            self.failed_decodes += 1
+            for sequence in list(self.running.values()):
+                self._fail(sequence, error, events)
+            return events
+        self.failed_decodes = 0
         for slot, sequence in sorted(self.running.items()):   # (a finishing one moves another: by object)
             if sequence.cancelled:
                 continue
             request = sequence.request
-            self._emit(sequence, sample(logits[slot], request.temperature, request.top_k,
-                                        self.generators.get(sequence.id)), events)
+            try:
+                token = sample(logits[slot], request.temperature, request.top_k, self.generators.get(sequence.id))
+            except Exception as error:
+                self._fail(sequence, error, events)
+                continue
+            self._emit(sequence, token, events)
         return events
 
 
@@ -165,6 +198,8 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, slot
     order = {s.id: i for i, s in enumerate(sequences)}
     while batcher.busy():
         for sequence, _, finished in batcher.step():
+            if sequence.error is not None:   # (the batcher goes on; a batch of prompts stops, naming it)
+                raise sequence.error
             if finished and on_finish is not None:
                 on_finish(order[sequence.id], sequence.tokens)
     return [s.tokens for s in sequences]

@@ -204,11 +204,15 @@ def prefill(model: LanguageModel, prompt: list[int], chunk_size: int):
     return logits, states
 
 
+GREEDY_BELOW = 1e-5   # temperatures below this draw greedily (logits / 1e-40 overflow to inf, softmax to NaN)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:
-    """The next token from logits [V]: greedy at temperature 0, else softmax(logits / temperature)
-    over the top_k largest (0: all), drawn with `generator`."""
+    """The next token from logits [V]: greedy at temperature 0 (and below GREEDY_BELOW, where
+    the distribution is the argmax's to float precision; vLLM draws the same line), else
+    softmax(logits / temperature) over the top_k largest (0: all), drawn with `generator`."""
     logits = logits.float()
-    if temperature <= 0:
+    if temperature < GREEDY_BELOW:
         return int(logits.argmax())
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]

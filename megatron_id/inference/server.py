@@ -13,100 +13,98 @@ state per slot, so memory does not grow with the clients; softmax layers (hybrid
 of --max-model-len tokens per slot, allocated once.
 
 Backpressure: at most --max-pending requests are queued or running; the next gets 503 with
-Retry-After. A bad request gets 400 (invalid_request_error, OpenAI's error body) saying which
-field and why. SIGTERM or SIGINT: the server stops accepting (503), lets the running and queued
-requests finish for up to --drain-timeout seconds, cancels what is left (finish_reason
-"cancelled"), and exits 0.
+Retry-After (--max-pending-per-client: 429 per client address). A bad request gets a 4xx JSON
+error (OpenAI's body) saying which field and why, before any work (api.py: strict JSON and
+UTF-8, finite values in range, the prompt's length on its bytes before it is tokenized, off the
+event loop). A request whose step fails gets a 500 (or an error event in its stream); the
+others and the engine go on. If the engine cannot, /health says "failed" (503) and the process
+exits 1, for a supervisor to restart it.
+
+Access: --api-key (or $MEGATRON_ID_API_KEY) on every endpoint but /health (401); JSON bodies
+only (415: a text/plain POST from a web page of another site); on a loopback --host, a Host or
+Origin of another name is refused (403: DNS rebinding); --read-timeout for a body (408),
+--request-timeout for a whole request (504); a client that goes away cancels its request.
+
+SIGTERM or SIGINT: the server keeps listening but answers new requests 503, lets the running and
+queued requests finish for up to --drain-timeout seconds, cancels what is left (finish_reason
+"cancelled"), and exits 0. A second signal stops it at once.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
+import ipaddress
 import json
 import queue
 import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
+from aiohttp import web
 
 from ..errors import BadOptionError
+from .api import (
+    BadRequest,
+    StopText,
+    check_content_type,
+    check_prompt_bytes,
+    decode_body,
+    longest_token_bytes,
+    parse_completion,
+    to_request,
+)
 from .batching import ContinuousBatcher, Request
 from .fused_decode import check_kv_pool, fused_decode_refusal
 from .generate import load_trained, resolve_device
 
-# OpenAI parameters accepted only at their neutral value: anything else is refused, not ignored
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "top_p": 1,
-           "presence_penalty": 0, "frequency_penalty": 0, "stop": None, "logit_bias": None}
-KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "user", "stream_options",
-         *NEUTRAL}
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+FAILED_STEPS_FATAL = 3   # the shared decode step failing this many times in a row: the engine cannot go on
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+API_KEY_ENV = "MEGATRON_ID_API_KEY"
+DRAIN = web.AppKey("drain", object)   # the app's drain coroutine (SIGTERM, the engine stopping)
 
 
 class Busy(Exception):
     pass
 
 
-def parse_completion(body, tokenizer, max_model_len: int) -> tuple[Request, bool, str]:
-    """(request, stream, prompt text) from a completions body, or BadRequest naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {', '.join(unknown)}", unknown[0])
-    for name, neutral in NEUTRAL.items():
-        if name in body and body[name] != neutral and body[name] is not None:
-            raise BadRequest(f"{name}={body[name]!r} is not supported (only {neutral!r})", name)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise BadRequest("prompt must be a string (one prompt per request)", "prompt")
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise BadRequest("prompt gives no tokens: send some text", "prompt")
+@dataclass
+class ServeLimits:
+    """What `megatron-id serve` lets one request or client do (the defaults of its flags)."""
+    drain_timeout: float = 30.0
+    api_key: str | None = None            # every endpoint but /health needs "Authorization: Bearer KEY"
+    allowed_hosts: set | None = None      # Host / Origin names accepted (None: any)
+    max_pending_per_client: int | None = None   # per remote address (None: only --max-pending)
+    read_timeout: float = 30.0            # seconds to receive a request's body
+    request_timeout: float = 600.0        # seconds a request may take in all (0: no limit)
+    max_body_size: int = 4 * 2**20
 
-    def number(name, default, kind, low, high=None):
-        value = body.get(name, default)
-        if value is None:
-            value = default
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-            raise BadRequest(f"{name} must be {'a number' if kind is float else 'an integer'}, not {value!r}", name)
-        if value < low or (high is not None and value > high):
-            raise BadRequest(f"{name}={value} is out of range [{low}, {high if high is not None else 'inf'}]", name)
-        return kind(value)
 
-    max_tokens = number("max_tokens", 16, int, 1)
-    if len(ids) + max_tokens > max_model_len:
-        raise BadRequest(f"the prompt's {len(ids)} tokens and max_tokens {max_tokens} exceed this server's "
-                         f"--max-model-len of {max_model_len} tokens: ask for fewer", "max_tokens")
-    temperature = number("temperature", 1.0, float, 0.0, 2.0)   # OpenAI's default and range
-    top_k = number("top_k", 0, int, 0)
-    seed = number("seed", 0, int, 0)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream must be true or false, not {stream!r}", "stream")
-    options = body.get("stream_options")
-    if options is None:
-        options = {}
-    elif not isinstance(options, dict) or set(options) - {"include_usage"} or not stream:
-        raise BadRequest("stream_options takes only {\"include_usage\": true|false}, with stream", "stream_options")
-    request = Request(ids, max_tokens, temperature, top_k, seed)
-    request.include_usage = bool(options.get("include_usage"))
-    return request, stream, prompt
+def loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Engine:
     """The batcher on its own thread. Requests come in through a queue; each sequence's tokens go
-    out to its asyncio queue as (token, finish_reason or None) pairs."""
+    out to its asyncio queue as (token, finish_reason or None) pairs; a sequence that failed gets
+    (None, "error") and the engine goes on. What the batcher cannot contain (the engine loop itself
+    failing, or the shared decode step failing FAILED_STEPS_FATAL times in a row) stops it:
+    `failure` is set, every client gets its error, and `on_fatal` (the server's shutdown) is
+    called, so that the process exits non-zero and a supervisor restarts it."""
 
-    def __init__(self, batcher: ContinuousBatcher, max_pending: int, eos_id):
+    def __init__(self, batcher: ContinuousBatcher, max_pending: int, eos_id, on_fatal=None):
         self.batcher, self.max_pending, self.eos_id = batcher, max_pending, eos_id
+        self.on_fatal = on_fatal
         self.inbox: queue.Queue = queue.Queue()
         self.pending = 0
         self.lock = threading.Lock()
@@ -123,6 +121,8 @@ class Engine:
         request.eos_id = self.eos_id
         self.batcher.check(request)           # BadOptionError: 400
         with self.lock:
+            if self.failure is not None:
+                raise Busy()
             if self.pending >= self.max_pending:
                 raise Busy()
             self.pending += 1
@@ -130,9 +130,6 @@ class Engine:
         ticket = {"cancelled": False}   # set by the HTTP side when the client goes away
         self.inbox.put((request, out, loop, ticket))
         return ticket, out
-
-    def cancel(self, ticket: dict) -> None:
-        ticket["cancelled"] = True
 
     def cancel_all(self) -> None:
         self.inbox.put(("cancel-all", None, None, None))
@@ -167,104 +164,240 @@ class Engine:
         sequence = self.batcher.submit(request)
         self.routes[sequence.id] = (loop, out, ticket, sequence)
 
+    def _step(self) -> None:
+        if not self.batcher.busy():
+            self._take(self.inbox.get())         # idle: wait for work
+        while True:                              # and whatever else has arrived
+            try:
+                self._take(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for _, _, ticket, sequence in self.routes.values():   # their clients went away
+            if ticket["cancelled"] and not sequence.cancelled:
+                self.batcher.cancel(sequence)
+        before = list(self.batcher.waiting) + list(self.batcher.running.values())
+        events = self.batcher.step()
+        for sequence, token, finished in events:
+            if token is None:
+                print(f"megatron-id serve: request {sequence.request.name or sequence.id} failed: "
+                      f"{type(sequence.error).__name__}: {sequence.error}", file=sys.stderr, flush=True)
+            self._deliver(sequence, (token, sequence.finish_reason if finished else None))
+            if finished:
+                self._done(sequence)
+        for sequence in before:   # cancelled ones end without a token
+            if sequence.finish_reason == "cancelled" and sequence.id in self.routes:
+                self._deliver(sequence, (None, "cancelled"))
+                self._done(sequence)
+        if self.batcher.failed_decodes >= FAILED_STEPS_FATAL:
+            raise RuntimeError(f"the decode step failed {self.batcher.failed_decodes} times in a row")
+
     def _run(self) -> None:
         try:
             while not self.stopped.is_set():
-                if not self.batcher.busy():
-                    self._take(self.inbox.get())         # idle: wait for work
-                while True:                              # and whatever else has arrived
-                    try:
-                        self._take(self.inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                for _, _, ticket, sequence in self.routes.values():   # their clients went away
-                    if ticket["cancelled"] and not sequence.cancelled:
-                        self.batcher.cancel(sequence)
-                before = list(self.batcher.waiting) + list(self.batcher.running.values())
-                events = self.batcher.step()
-                for sequence, token, finished in events:
-                    self._deliver(sequence, (token, sequence.finish_reason if finished else None))
-                    if finished:
-                        self._done(sequence)
-                for sequence in before:   # cancelled ones end without a token
-                    if sequence.finish_reason == "cancelled" and sequence.id in self.routes:
-                        self._deliver(sequence, (None, "cancelled"))
-                        self._done(sequence)
-        except BaseException as e:   # the model failed: every waiting client gets a 500
-            self.failure = e
+                self._step()
+        except BaseException as e:   # the engine cannot go on: every client gets its error, the server exits
+            with self.lock:
+                self.failure = e
+                self.pending = 0
             for loop, out, _, _ in list(self.routes.values()):
                 loop.call_soon_threadsafe(out.put_nowait, (None, "error"))
+            self.routes.clear()
             print(f"megatron-id serve: the engine stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if self.on_fatal is not None:
+                self.on_fatal()
 
 
-def error_response(web, status: int, message: str, param=None, kind="invalid_request_error", headers=None,
+def error_body(status: int, message: str, param=None, kind="invalid_request_error", code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param=None, kind="invalid_request_error", headers=None,
                    code=None):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(status, message, param, kind, code), status=status, headers=headers)
 
 
-def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, drain_timeout: float):
-    from aiohttp import web
+def release_memory() -> None:
+    """Give freed heap back to the system after a large request (glibc keeps it otherwise: a
+    refused 4 MiB prompt left ~400 MiB of resident memory)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to do
+        pass
+
+
+def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, limits: ServeLimits):
     state = {"draining": False}
+    per_client = collections.Counter()   # remote address -> requests pending
+    bytes_per_token = longest_token_bytes(tokenizer)
+
+    def engine_failed():
+        return error_response(503, "the engine stopped after a failure and the server is exiting; retry once "
+                                         "it is restarted", kind="server_error", code="engine_failed")
+
+    @web.middleware
+    async def guard(http, handler):
+        """Access control on every endpoint but /health, and JSON errors for everything (aiohttp's
+        own 404, 405, 413 included), without internals."""
+        if http.path != "/health":
+            names = limits.allowed_hosts
+            if names is not None:
+                host = urlsplit("//" + http.host).hostname if http.host else None
+                if host is not None and host not in names:
+                    return error_response(403, f"Host {http.host!r} is not this server's name (it answers "
+                                                    f"{', '.join(sorted(names))}; add names with --allowed-host)",
+                                          code="host_not_allowed")
+                origin = http.headers.get("Origin")
+                if origin is not None and urlsplit(origin).hostname not in names:
+                    return error_response(403, f"Origin {origin!r}: requests from web pages of other sites are "
+                                                    f"refused (add the name with --allowed-host)",
+                                          code="origin_not_allowed")
+            if limits.api_key is not None:
+                given = http.headers.get("Authorization", "")
+                token = given[7:] if given.startswith("Bearer ") else ""
+                if not hmac.compare_digest(token.encode(), limits.api_key.encode()):
+                    return error_response(401, "a valid API key is needed: send 'Authorization: Bearer KEY' "
+                                                    "(the openai client's api_key)", code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(http)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            if isinstance(e, web.HTTPRequestEntityTooLarge):
+                message = (f"the body is over {limits.max_body_size:,} bytes (serve --max-body-size): send a "
+                           f"shorter prompt")
+            else:
+                message = f"{e.reason}: {http.method} {http.path}"
+            return error_response(e.status, message, kind="invalid_request_error")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:   # a bug of ours: the log has it, the client a reference
+            ident = uuid.uuid4().hex[:12]
+            print(f"megatron-id serve: error {ident} in {http.method} {http.path}: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return error_response(500, f"internal error {ident} (the server's log has the cause)",
+                                  kind="server_error")
+
+    async def read_body(http):
+        check_content_type(http.content_type, http.charset)
+        try:
+            raw = await asyncio.wait_for(http.read(), limits.read_timeout)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the body did not arrive within {limits.read_timeout:g} s (serve --read-timeout)",
+                             status=408) from None
+        return decode_body(raw), len(raw)
 
     async def completions(http):
         if state["draining"]:
-            return error_response(web, 503, "the server is shutting down", kind="server_error")
+            return error_response(503, "the server is shutting down", kind="server_error")
         if engine.failure is not None:
-            return error_response(web, 500, f"the engine failed: {engine.failure}", kind="server_error")
+            return engine_failed()
+        size = 0
         try:
-            body = await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(web, 400, f"the body is not JSON: {e}")
-        asked = body.get("model") if isinstance(body, dict) else None
-        if asked is not None and asked != model_name:   # as OpenAI-style servers do: never another model silently
-            return error_response(web, 404, f"The model `{asked}` does not exist: this server serves `{model_name}` "
-                                            f"(GET /v1/models; megatron-id serve --served-model-name)", "model",
-                                  code="model_not_found")
-        try:
-            request, stream, prompt = parse_completion(body, tokenizer, max_model_len)
+            body, size = await read_body(http)
+            asked = body.get("model") if isinstance(body, dict) else None
+            if asked is not None and asked != model_name:   # as OpenAI-style servers do: never another model
+                return error_response(404, f"The model `{asked}` does not exist: this server serves "
+                                                f"`{model_name}` (GET /v1/models; megatron-id serve "
+                                                f"--served-model-name)", "model", code="model_not_found")
+            settings, prompt = parse_completion(body, max_model_len)
+            check_prompt_bytes(prompt, settings, max_model_len, bytes_per_token)
+            ids = (await asyncio.get_running_loop().run_in_executor(None, tokenizer.encode, prompt)).ids
+            request = to_request(ids, settings, max_model_len)
+            client = http.remote or "?"
+            if limits.max_pending_per_client is not None and per_client[client] >= limits.max_pending_per_client:
+                return error_response(429, f"{per_client[client]} requests of this client are already queued "
+                                                f"or running (serve --max-pending-per-client): retry later",
+                                      kind="rate_limit_error", headers={"Retry-After": "1"})
+            ident = f"cmpl-{uuid.uuid4().hex}"
+            request.name = ident
             ticket, out = engine.submit(request, asyncio.get_running_loop())
         except BadRequest as e:
-            return error_response(web, 400, str(e), e.param)
+            return error_response(e.status, str(e), e.param)
         except BadOptionError as e:
-            return error_response(web, 400, str(e))
+            return error_response(400, str(e))
         except Busy:
-            return error_response(web, 503, f"{engine.max_pending} requests are already queued or running: "
+            if engine.failure is not None:
+                return engine_failed()
+            return error_response(503, f"{engine.max_pending} requests are already queued or running: "
                                             f"retry later", kind="server_error", headers={"Retry-After": "1"})
-        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        chunk = {"id": ident, "object": "text_completion", "created": created, "model": model_name}
-        tokens, printed, finish = [], "", None
+        finally:
+            if size > 2**20:
+                release_memory()
+        per_client[client] += 1
+        try:
+            return await answer(http, ident, request, settings, ticket, out)
+        finally:
+            per_client[client] -= 1
+            if not per_client[client]:
+                del per_client[client]
+
+    async def answer(http, ident, request, settings, ticket, out):
+        chunk = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        stream = settings["stream"]
+        tokens, sent, finish, failure = [], "", None, None
+        text = StopText(settings["stop"])
+        deadline = time.monotonic() + limits.request_timeout if limits.request_timeout else None
         response = None
+
+        async def send(data: dict) -> None:
+            await response.write(f"data: {json.dumps(data)}\n\n".encode())
+
         try:
             if stream:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(http)
             while finish is None:
-                token, finish = await out.get()
+                left = None if deadline is None else deadline - time.monotonic()
+                try:
+                    token, finish = await asyncio.wait_for(out.get(), left)
+                except asyncio.TimeoutError:
+                    ticket["cancelled"] = True
+                    failure = (504, f"the request ran past {limits.request_timeout:g} s (serve --request-timeout) "
+                                    f"after {len(tokens)} tokens", "timeout")
+                    break
+                if finish == "error":
+                    ticket["cancelled"] = True
+                    failure = ((503, "the engine stopped after a failure; retry once the server is restarted",
+                                "engine_failed") if engine.failure is not None else
+                               (500, f"the model failed while generating request {ident} (the server's log has the "
+                                     f"cause); other requests are unaffected: retry", "generation_failed"))
+                    break
                 if token is not None and token != request.eos_id:
                     tokens.append(token)
-                if finish == "error":
-                    return error_response(web, 500, f"the engine failed: {engine.failure}", kind="server_error")
+                text.update(tokenizer.decode(tokens))
+                if text.stopped:
+                    ticket["cancelled"] = True   # the engine frees its slot at the next step
+                    finish = "stop"
                 if stream:
-                    text = tokenizer.decode(tokens)
-                    if finish is None and text.endswith("\ufffd"):
+                    if finish is None and text.text.endswith("\ufffd"):
                         continue   # the rest of a multi-byte character is coming
-                    delta, printed = text[len(printed):], text
-                    choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-                    await response.write(f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n".encode())
+                    ready = text.ready(final=finish is not None)
+                    delta, sent = ready[len(sent):], ready
+                    if delta or finish is not None:
+                        await send({**chunk, "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                                          "finish_reason": finish}]})
         except (asyncio.CancelledError, ConnectionResetError):
             ticket["cancelled"] = True   # the engine cancels its sequence at the next step
             raise
+        if failure is not None:
+            status, message, code = failure
+            if not stream:
+                return error_response(status, message, kind="server_error", code=code)
+            await send(error_body(status, message, kind="server_error", code=code))   # as vLLM streams an error
+            await response.write_eof()
+            return response
         usage = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
                  "total_tokens": len(request.prompt) + len(tokens)}
         if stream:
-            if request.include_usage:   # OpenAI's last chunk: no choices, the usage
-                await response.write(f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage})}\n\n".encode())
+            if settings["include_usage"]:   # OpenAI's last chunk: no choices, the usage
+                await send({**chunk, "choices": [], "usage": usage})
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
-        choice = {"index": 0, "text": tokenizer.decode(tokens), "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text.ready(final=True), "logprobs": None, "finish_reason": finish}
         return web.json_response({**chunk, "choices": [choice], "usage": usage})
 
     async def models(http):
@@ -273,17 +406,19 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, dr
 
     async def health(http):
         if engine.failure is not None:
-            return error_response(web, 500, f"the engine failed: {engine.failure}", kind="server_error")
+            return web.json_response({"status": "failed", "error": "the engine stopped; the server is exiting"},
+                                     status=503)
         return web.json_response({"status": "draining" if state["draining"] else "ok", "pending": engine.busy(),
                                   "finished": dict(engine.finished)})
 
-    async def drain(app):
-        """On SIGTERM / SIGINT: refuse new work, let the rest finish, cancel what outlasts the timeout."""
+    async def drain(app=None):
+        """Refuse new work (503, still listening), let the rest finish, cancel what outlasts the timeout."""
         state["draining"] = True
-        deadline = time.monotonic() + drain_timeout
+        deadline = time.monotonic() + limits.drain_timeout
         left = engine.busy()
-        print(f"megatron-id serve: draining {left} request(s) (up to {drain_timeout:g} s)", file=sys.stderr,
-              flush=True)
+        if left:
+            print(f"megatron-id serve: draining {left} request(s) (up to {limits.drain_timeout:g} s)",
+                  file=sys.stderr, flush=True)
         while engine.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if engine.busy():
@@ -293,12 +428,42 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, dr
             while engine.busy() and engine.failure is None:
                 await asyncio.sleep(0.05)
 
-    app = web.Application(client_max_size=4 * 2**20)
+    app = web.Application(client_max_size=limits.max_body_size, middlewares=[guard])
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.on_shutdown.append(drain)
+    app[DRAIN] = drain
     return app
+
+
+def drain_then_stop(app, stop) -> callable:
+    """The handler of SIGTERM / SIGINT (and of the engine stopping): drain while still listening,
+    so that new requests get 503, not a refused connection; then `stop()` the server. A second
+    call stops it at once."""
+    state = {"stopping": False}
+
+    async def drain_and_stop():
+        await app[DRAIN]()
+        stop()
+
+    def on_signal():
+        if state["stopping"]:
+            stop()
+            return
+        state["stopping"] = True
+        asyncio.get_running_loop().create_task(drain_and_stop())
+    return on_signal
+
+
+def raise_graceful_exit() -> None:
+    """Out of the event loop, into run_app, which closes the sockets and cleans up."""
+    from aiohttp.web_runner import GracefulExit
+    loop = asyncio.get_running_loop()
+
+    def stop():
+        raise GracefulExit()
+    loop.call_soon(stop)
 
 
 def check_listen_address(host: str, port: int) -> None:
@@ -332,13 +497,13 @@ def check_listen_address(host: str, port: int) -> None:
 
 
 def serve(args) -> int:
-    """The body of `megatron-id serve` (options checked by the CLI before this loads the model)."""
-    try:
-        from aiohttp import web
-    except ImportError:
-        raise BadOptionError("megatron-id serve needs aiohttp: pip install 'megatron_id[serve]'.") from None
+    """The body of `megatron-id serve` (options checked by the CLI before this loads the model).
+    Exits 0 after a drain, 1 when the engine stopped on a failure (so a supervisor restarts it)."""
+    import os
     device = resolve_device(args.device)
     check_listen_address(args.host, args.port)   # before the model is loaded
+    limits = serve_limits(args, os.environ.get(API_KEY_ENV))
+    access_log = open_access_log(args.access_log)
     trained = load_trained(args.checkpoint, args.tokenizer, args.allow_tokenizer_mismatch, args.verify)
     model = trained.model
     why = fused_decode_refusal(model)
@@ -356,17 +521,65 @@ def serve(args) -> int:
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
                                 prefill_chunk_size=args.prefill_chunk_size)
     engine = Engine(batcher, args.max_pending or 4 * args.slots, trained.eod)
-    engine.start()
-    app = build_app(engine, trained.tokenizer, name, max_model_len, args.drain_timeout)
-    listening = (f"megatron-id serve: {name} on http://{args.host}:{{port}} ({args.slots} slots, max-model-len "
-                 f"{max_model_len}, device {device})")
+    app = build_app(engine, trained.tokenizer, name, max_model_len, limits)
 
+    async def on_startup(app):
+        import signal
+        loop = asyncio.get_running_loop()
+        on_signal = drain_then_stop(app, raise_graceful_exit)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        engine.on_fatal = lambda: loop.call_soon_threadsafe(on_signal)
+    app.on_startup.append(on_startup)
+    engine.start()
+    if not loopback(args.host) and limits.api_key is None:
+        print(f"megatron-id serve: warning: listening on {args.host} (not this machine only) without an API key: "
+              f"anyone who can reach the port can use the model; set --api-key or {API_KEY_ENV}", file=sys.stderr,
+              flush=True)
+    listening = (f"megatron-id serve: {name} on http://{args.host}:{{port}} ({args.slots} slots, max-model-len "
+                 f"{max_model_len}, device {device}{', API key required' if limits.api_key else ''})")
     try:
         # (run_app prints once its socket listens: the line clients and tests wait for)
         web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_timeout + 5,
-                    handle_signals=True, print=lambda _: print(listening.format(port=args.port), file=sys.stderr,
-                                                               flush=True))
+                    handle_signals=False, handler_cancellation=True, access_log=access_log,
+                    print=lambda _: print(listening.format(port=args.port), file=sys.stderr, flush=True))
     finally:
         engine.stop()
+    if engine.failure is not None:
+        print(f"megatron-id serve: stopped after an engine failure ({type(engine.failure).__name__}): exit 1",
+              file=sys.stderr, flush=True)
+        return 1
     print("megatron-id serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def serve_limits(args, key_from_env: str | None) -> ServeLimits:
+    """The flags as ServeLimits (checked by the CLI already). Host names are checked when the
+    server listens on this machine only (DNS rebinding: a web page's name resolved to 127.0.0.1)
+    or when --allowed-host names them."""
+    names = set(args.allowed_host or ())
+    if loopback(args.host):
+        names |= {*LOOPBACK_NAMES, args.host}
+    return ServeLimits(drain_timeout=args.drain_timeout, api_key=args.api_key or key_from_env or None,
+                       allowed_hosts=names or None, max_pending_per_client=args.max_pending_per_client,
+                       read_timeout=args.read_timeout, request_timeout=args.request_timeout,
+                       max_body_size=int(args.max_body_size * 2**20))
+
+
+def open_access_log(path: str | None):
+    """--access-log FILE (appended) or - (stderr): one line per request, aiohttp's format."""
+    import logging
+    if path is None:
+        return None
+    log = logging.getLogger("megatron_id.serve.access")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if path == "-":
+        log.addHandler(logging.StreamHandler(sys.stderr))
+    else:
+        try:
+            log.addHandler(logging.FileHandler(path, mode="a"))
+        except OSError as e:
+            raise BadOptionError(f"--access-log {path}: cannot write there ({e.strerror or e}): give a file in an "
+                                 f"existing folder, or - for stderr.") from None
+    return log

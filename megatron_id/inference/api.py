@@ -1,0 +1,197 @@
+"""OpenAI's completions request as `megatron-id serve` reads it: the body decoded strictly (UTF-8,
+standard JSON, bounded depth), every field checked before any work (finite, in range, of its
+type), and `stop` strings matched on the decoded text. Nothing here touches the model or the
+event loop; the server (server.py) turns BadRequest into a 4xx with OpenAI's error body."""
+from __future__ import annotations
+
+import json
+import math
+
+from .batching import Request
+from .generate import GREEDY_BELOW
+
+# OpenAI parameters accepted only at their neutral value: anything else is refused, not ignored
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "top_p": 1,
+           "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "user", "stream_options",
+         "stop", *NEUTRAL}
+MAX_STOPS = 4            # OpenAI's limit on stop sequences
+SEED_RANGE = (0, 2**64 - 1)   # what torch.Generator.manual_seed takes
+
+
+class BadRequest(Exception):
+    """A request refused before any work: `status` (400, 413, 415 ...), the message, the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def check_content_type(content_type: str, charset: str | None) -> None:
+    """JSON in UTF-8 only: a text/plain or form POST (what a web page may send to another origin
+    without asking first) is refused with 415, as is a charset other than UTF-8."""
+    if content_type != "application/json":
+        raise BadRequest(f"Content-Type {content_type or '(none)'!r}: send the body as JSON with "
+                         f"'Content-Type: application/json'", status=415)
+    if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise BadRequest(f"charset {charset!r}: this server reads UTF-8 only; send the body in UTF-8 "
+                         f"(Content-Type: application/json; charset=utf-8)", status=415)
+
+
+def _refuse_constant(name: str):
+    raise BadRequest(f"the body is not JSON: {name} is not a JSON value (send a number)")
+
+
+def decode_body(raw: bytes):
+    """The JSON object of a request body, or BadRequest: not UTF-8, not standard JSON (NaN and
+    Infinity are Python's extensions, refused), nested past the decoder's recursion limit."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not UTF-8 (byte {e.start}): send JSON in UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
+    except RecursionError:   # (the C decoder stops at Python's recursion limit, ~1,000 levels)
+        raise BadRequest("the body is nested too deep: a completions request is an object of strings, numbers "
+                         "and lists") from None
+
+
+def check_text(value: str, name: str) -> None:
+    """A JSON string may hold a lone surrogate (\\ud800), which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{name} holds a lone surrogate ({value[e.start]!r} at character {e.start}): "
+                         f"send valid Unicode text", name) from None
+
+
+def parse_stop(value) -> list[str]:
+    """OpenAI's `stop`: null, a string, or a list of up to 4 strings ([] means none)."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise BadRequest(f"stop must be a string or a list of strings, not {value!r}", "stop")
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(f"stop has {len(stops)} strings: at most {MAX_STOPS}", "stop")
+    if any(s == "" for s in stops):
+        raise BadRequest("stop holds an empty string: every stop string needs at least one character", "stop")
+    for s in stops:
+        check_text(s, "stop")
+    return stops
+
+
+def number(body: dict, name: str, default, kind, low, high=None):
+    """body[name] (default when absent or null) of `kind`, finite and within [low, high]."""
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise BadRequest(f"{name} must be {'a number' if kind is float else 'an integer'}, not {value!r}", name)
+    if isinstance(value, float) and not math.isfinite(value):   # (decode_body refuses NaN already)
+        raise BadRequest(f"{name}={value} is not a finite number", name)
+    if value < low or (high is not None and value > high):
+        raise BadRequest(f"{name}={value} is out of range [{low}, {high if high is not None else 'inf'}]", name)
+    return kind(value)
+
+
+def parse_completion(body, max_model_len: int) -> tuple[dict, str]:
+    """(the request's settings, its prompt text) from a completions body, or BadRequest naming
+    the field; every check but the prompt's token count (which needs the tokenizer, off the event
+    loop: `check_length`)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}", unknown[0])
+    for name, neutral in NEUTRAL.items():
+        if name in body and body[name] != neutral and body[name] is not None:
+            raise BadRequest(f"{name}={body[name]!r} is not supported (only {neutral!r})", name)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequest("prompt must be a string (one prompt per request)", "prompt")
+    if not prompt:
+        raise BadRequest("prompt gives no tokens: send some text", "prompt")
+    check_text(prompt, "prompt")
+    settings = {"max_tokens": number(body, "max_tokens", 16, int, 1),
+                "temperature": number(body, "temperature", 1.0, float, 0.0, 2.0),   # OpenAI's default and range
+                "top_k": number(body, "top_k", 0, int, 0),
+                "seed": number(body, "seed", 0, int, *SEED_RANGE),
+                "stop": parse_stop(body.get("stop"))}
+    if 0 < settings["temperature"] < GREEDY_BELOW:   # 1e-300: logits / t overflow; the draw is the argmax anyway
+        raise BadRequest(f"temperature={settings['temperature']} is below {GREEDY_BELOW:g}, where sampling is "
+                         f"greedy to float precision: send 0 for greedy", "temperature")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, not {stream!r}", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict) or set(options) - {"include_usage"} or not stream:
+        raise BadRequest("stream_options takes only {\"include_usage\": true|false}, with stream", "stream_options")
+    settings["stream"] = stream
+    settings["include_usage"] = bool(options.get("include_usage"))
+    return settings, prompt
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """The most bytes one token stands for, when the tokenizer is byte-level (GPT-2's, NeoX's:
+    every character of a vocabulary entry stands for one byte): a prompt of B bytes then has at
+    least B / this many tokens, so a prompt far past the limit is refused on its bytes, without
+    tokenizing it. None for other tokenizers (an unknown-word token may stand for any length)."""
+    if type(tokenizer.decoder).__name__ != "ByteLevel":
+        return None
+    return max(len(token) for token in tokenizer.get_vocab()) or 1
+
+
+def check_prompt_bytes(prompt: str, settings: dict, max_model_len: int, bytes_per_token: int | None) -> None:
+    if bytes_per_token is None:
+        return
+    size = len(prompt.encode("utf-8"))
+    least = -(-size // bytes_per_token)
+    if least + settings["max_tokens"] > max_model_len:
+        raise BadRequest(f"the prompt's {size:,} bytes are at least {least:,} tokens, which with max_tokens "
+                         f"{settings['max_tokens']} exceed this server's --max-model-len of {max_model_len} tokens: "
+                         f"send a shorter prompt", "prompt")
+
+
+def to_request(ids: list[int], settings: dict, max_model_len: int) -> Request:
+    """The engine's Request once the prompt is tokenized (its length checked against the limit)."""
+    if not ids:
+        raise BadRequest("prompt gives no tokens: send some text", "prompt")
+    if len(ids) + settings["max_tokens"] > max_model_len:
+        raise BadRequest(f"the prompt's {len(ids)} tokens and max_tokens {settings['max_tokens']} exceed this "
+                         f"server's --max-model-len of {max_model_len} tokens: ask for fewer", "max_tokens")
+    return Request(ids, settings["max_tokens"], settings["temperature"], settings["top_k"], settings["seed"])
+
+
+class StopText:
+    """The text of a completion as it grows, cut at the first `stop` string (which is not
+    returned, as OpenAI does). `ready()` is what can be sent now: the text less any tail that
+    could still become a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.text = ""
+        self.stopped = False
+
+    def update(self, text: str) -> None:
+        if self.stopped:
+            return
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            text, self.stopped = text[:min(cuts)], True
+        self.text = text
+
+    def ready(self, final: bool = False) -> str:
+        if final or self.stopped or not self.stops:
+            return self.text
+        hold = 0   # the longest tail of the text that begins a stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if s.startswith(self.text[-n:]):
+                    hold = n
+                    break
+        return self.text[:len(self.text) - hold]

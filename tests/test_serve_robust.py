@@ -1,0 +1,347 @@
+"""`megatron-id serve` that one request cannot take down (issue 45), in-process (aiohttp's test
+client over the real app and engine, a tiny export): hostile values get a 4xx JSON error while a
+streaming canary beside them goes on unharmed; a failure inside a step fails only the requests it
+touched; access control (API key, Content-Type, Host and Origin, per-client limit, timeouts);
+stop strings."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from hf_tiny import tiny_export
+
+from megatron_id.inference import batching
+from megatron_id.inference.batching import ContinuousBatcher
+from megatron_id.inference.generate import generate_ids, load_trained
+from megatron_id.inference.server import DRAIN, Engine, ServeLimits, build_app, drain_then_stop
+
+MAX_MODEL_LEN = 256
+CANARY = "The water cycle"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return load_trained(tiny_export(tmp_path_factory.mktemp("robust") / "hf"))
+
+
+def greedy(trained, prompt: str, max_tokens: int) -> str:
+    ids = trained.tokenizer.encode(prompt).ids
+    return trained.tokenizer.decode(list(generate_ids(trained.model, ids, max_tokens, decode="eager",
+                                                      eos_id=trained.eod)))
+
+
+def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step_seconds: float = 0.0,
+          max_pending: int = 8):
+    """Run `body(client, engine)` against the app with a live engine; `step_seconds` slows every
+    decode step (a model of realistic speed, so that requests overlap)."""
+    from aiohttp.test_utils import TestClient, TestServer
+    batcher = ContinuousBatcher(trained.model, slots=slots, capacity=MAX_MODEL_LEN)
+    if step_seconds:
+        step = batcher.decoder.step
+
+        def slow(tokens):
+            time.sleep(step_seconds)
+            return step(tokens)
+        batcher.decoder.step = slow
+    engine = Engine(batcher, max_pending, trained.eod)
+    app = build_app(engine, trained.tokenizer, "hf", MAX_MODEL_LEN, limits or ServeLimits())
+
+    async def run():
+        engine.start()
+        try:
+            async with TestClient(TestServer(app)) as client:
+                return await body(client, engine)
+        finally:
+            engine.stop()
+    return asyncio.run(run())
+
+
+async def stream_text(client, prompt: str, max_tokens: int, **more) -> tuple[str, list, float]:
+    """(text, events, time of the last event) of a streaming greedy request."""
+    reply = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                       "stream": True, **more})
+    assert reply.status == 200, await reply.text()
+    events = []
+    async for line in reply.content:
+        line = line.decode().strip()
+        if line.startswith("data: {"):
+            events.append(json.loads(line[6:]))
+    text = "".join(e["choices"][0]["text"] for e in events if "choices" in e and e["choices"])
+    return text, events, time.monotonic()
+
+
+async def settled(client) -> tuple[int, dict]:
+    """/health once the engine has closed its books (a client reads its last event a moment before
+    the engine counts the sequence done)."""
+    for _ in range(250):
+        reply = await client.get("/health")
+        health = await reply.json()
+        if reply.status != 200 or not health["pending"]:
+            break
+        await asyncio.sleep(0.02)
+    return reply.status, health
+
+
+async def post_raw(client, data: bytes, content_type="application/json", headers=None):
+    reply = await client.post("/v1/completions", data=data, headers={"Content-Type": content_type, **(headers or {})})
+    try:
+        body = await reply.json(content_type=None)
+    except json.JSONDecodeError:
+        body = {"not json": await reply.text()}
+    return reply.status, body
+
+
+HOSTILE = [   # (body, Content-Type, status, what the message says)
+    (b'{"prompt": "Hi", "temperature": NaN}', "application/json", 400, "NaN is not a JSON value"),
+    (b'{"prompt": "Hi", "temperature": Infinity}', "application/json", 400, "Infinity is not a JSON value"),
+    (b'{"prompt": "Hi", "temperature": 1e-300}', "application/json", 400, "temperature=1e-300 is below 1e-05"),
+    (b'{"prompt": "Hi", "temperature": 1e-40}', "application/json", 400, "send 0 for greedy"),
+    (b'{"prompt": "Hi", "temperature": 1, "seed": 1180591620717411303424}', "application/json", 400,
+     "seed=1180591620717411303424 is out of range [0, 18446744073709551615]"),
+    (b'{"prompt": "Hi"}', "application/json; charset=bogus", 415, "charset 'bogus': this server reads UTF-8 only"),
+    (b'{"prompt": "a\\ud800b"}', "application/json", 400, "prompt holds a lone surrogate"),
+    (b'{"prompt": "Hi", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", 400,
+     "the body is nested too deep"),
+    (json.dumps({"prompt": "a" * (4 * 2**20)}).encode(), "application/json", 413,
+     "the body is over 4,194,304 bytes (serve --max-body-size)"),
+    (json.dumps({"prompt": "word " * 600_000}).encode(), "application/json", 400,
+     "exceed this server's --max-model-len of 256 tokens: send a shorter prompt"),
+    (b'{"prompt": "Hi"}', "text/plain", 415, "Content-Type 'text/plain': send the body as JSON"),
+    (b'\xff\xfe{"prompt": "Hi"}', "application/json", 400, "the body is not UTF-8 (byte 0)"),
+    (b'{"prompt": "Hi", "stop": ["a", ""]}', "application/json", 400, "stop holds an empty string"),
+]
+
+
+def test_each_hostile_request_gets_a_4xx_json_error_and_a_canary_stream_beside_them_goes_on(trained):
+    """Before: NaN, 1e-300 or a seed past 2^64 crashed the engine thread for good (every later
+    request and /health answered 500); a bogus charset, a lone surrogate and deep JSON got a
+    plain-text 500."""
+    want = greedy(trained, CANARY, 120)
+
+    async def body(client, engine):
+        canary = asyncio.create_task(stream_text(client, CANARY, 120))
+        while not engine.busy():
+            await asyncio.sleep(0.01)
+        answered = []
+        for data, content_type, status, mention in HOSTILE:
+            code, reply = await post_raw(client, data, content_type)
+            assert code == status and mention in reply["error"]["message"], (data[:80], code, reply)
+            assert "Traceback" not in reply["error"]["message"]
+            answered.append(time.monotonic())
+        # what clients send by default is served: stop=[], stop=null, temperature 0
+        reply = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0,
+                                                           "stop": [], "seed": 2**64 - 1})
+        assert reply.status == 200, await reply.text()
+        answered.append(time.monotonic())
+        text, events, finished = await canary
+        return (text, events, finished, answered, *await settled(client))
+    text, events, finished, answered, status, health = serve(trained, body, step_seconds=0.02)
+    assert finished > max(answered), "the canary ended before the hostile requests were all answered"
+    assert text == want and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert status == 200 and health["status"] == "ok" and health["pending"] == 0, health
+
+
+def test_a_failure_inside_a_step_fails_only_the_requests_it_touched_and_the_engine_goes_on(trained, monkeypatch):
+    """A prefill that raises fails its own request (500 JSON); a decode step that raises fails the
+    sequences in it (an error event inside a stream, never another response's bytes); the next
+    requests are served and equal generate's; /health stays 200."""
+    marker = trained.tokenizer.encode(" Zebra").ids[0]
+    prefill = batching.prefill
+
+    def faulty_prefill(model, prompt, chunk_size):
+        if prompt[0] == marker:
+            raise RuntimeError("injected: this prompt's prefill fails")
+        return prefill(model, prompt, chunk_size)
+    monkeypatch.setattr(batching, "prefill", faulty_prefill)
+    want = greedy(trained, CANARY, 60)
+
+    async def body(client, engine):
+        canary = asyncio.create_task(stream_text(client, CANARY, 60))
+        while not engine.busy():
+            await asyncio.sleep(0.01)
+        code, reply = await post_raw(client, json.dumps({"prompt": " Zebra crossing", "max_tokens": 5}).encode())
+        assert code == 500 and reply["error"]["code"] == "generation_failed", reply
+        assert "injected" not in reply["error"]["message"], "the client was shown the exception's text"
+        text, events, _ = await canary
+        assert text == want, "the canary was touched by another request's failure"
+        # the shared decode step fails once: both running sequences fail, each in its own response
+        step = engine.batcher.decoder.step
+        calls = {"n": 0}
+
+        def fails_once(tokens):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected: the decode step fails")
+            return step(tokens)
+        engine.batcher.decoder.step = fails_once
+        streamed = asyncio.create_task(client.post("/v1/completions", json={
+            "prompt": CANARY, "max_tokens": 30, "temperature": 0, "stream": True}))
+        whole = asyncio.create_task(client.post("/v1/completions", json={
+            "prompt": CANARY, "max_tokens": 30, "temperature": 0}))
+        streamed, whole = await streamed, await whole
+        lines = [line.decode().strip() async for line in streamed.content]
+        errors = [json.loads(line[6:]) for line in lines if line.startswith('data: {"error"')]
+        assert streamed.status == 200 and len(errors) == 1, lines
+        assert errors[0]["error"]["code"] == "generation_failed" and "data: [DONE]" not in lines
+        assert whole.status == 500 and (await whole.json())["error"]["code"] == "generation_failed"
+        text, _, _ = await stream_text(client, CANARY, 60)   # served again, the same completion
+        return (text, *await settled(client))
+    text, status, health = serve(trained, body, step_seconds=0.01)
+    assert text == want
+    assert status == 200 and health["status"] == "ok" and health["finished"]["error"] == 3, health
+
+
+def test_an_engine_that_cannot_go_on_says_so_and_asks_the_server_to_stop(trained):
+    """The decode step failing on every try: after 3 in a row the engine stops, /health answers
+    503 "failed", new requests 503, and on_fatal (the server's exit, code 1) is called."""
+    stopped = []
+
+    async def body(client, engine):
+        engine.on_fatal = lambda: stopped.append(True)
+
+        def broken(tokens):
+            raise RuntimeError("injected: the device is gone")
+        engine.batcher.decoder.step = broken
+        codes = []
+        for _ in range(3):
+            reply = await client.post("/v1/completions", json={"prompt": CANARY, "max_tokens": 5, "temperature": 0})
+            codes.append((reply.status, (await reply.json())["error"]["code"]))
+        for _ in range(100):
+            if engine.failure is not None:
+                break
+            await asyncio.sleep(0.02)
+        health = await client.get("/health")
+        after = await client.post("/v1/completions", json={"prompt": CANARY, "max_tokens": 5})
+        return codes, health.status, await health.json(), after.status, await after.json()
+    codes, status, health, after, reply = serve(trained, body)
+    assert codes[:2] == [(500, "generation_failed")] * 2 and codes[2][0] in (500, 503), codes
+    assert status == 503 and health["status"] == "failed", health
+    assert after == 503 and reply["error"]["code"] == "engine_failed", reply
+    assert stopped == [True]
+
+
+def test_access_control_key_content_type_host_origin_and_per_client_limit(trained):
+    limits = ServeLimits(api_key="s3cret", allowed_hosts={"localhost", "127.0.0.1"}, max_pending_per_client=1)
+    key = {"Authorization": "Bearer s3cret"}
+
+    async def body(client, engine):
+        out = {}
+        request = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+        out["no key"] = await post_raw(client, json.dumps(request).encode())
+        out["wrong key"] = await post_raw(client, json.dumps(request).encode(), headers={"Authorization": "Bearer x"})
+        out["models without key"] = (await client.get("/v1/models")).status
+        out["health without key"] = (await client.get("/health")).status
+        out["with key"] = await post_raw(client, json.dumps(request).encode(), headers=key)
+        out["text/plain"] = await post_raw(client, json.dumps(request).encode(), "text/plain", headers=key)
+        out["foreign host"] = await post_raw(client, json.dumps(request).encode(),
+                                             headers={**key, "Host": "attacker.example:8000"})
+        out["foreign origin"] = await post_raw(client, json.dumps(request).encode(),
+                                               headers={**key, "Origin": "http://attacker.example"})
+        out["localhost"] = await post_raw(client, json.dumps(request).encode(), headers={**key, "Host": "localhost:80"})
+        unknown = await client.get("/v1/engines", headers=key)
+        out["unknown path"] = unknown.status, await unknown.json()
+        # one client (this address) with one request running: the second gets 429
+        first = asyncio.create_task(client.post("/v1/completions", headers=key, json={
+            "prompt": CANARY, "max_tokens": 60, "temperature": 0}))
+        while not engine.busy():
+            await asyncio.sleep(0.01)
+        out["second of a client"] = await post_raw(client, json.dumps(request).encode(), headers=key)
+        out["first"] = (await first).status
+        return out
+    out = serve(trained, body, limits, step_seconds=0.01)
+    assert out["no key"][0] == 401 and out["no key"][1]["error"]["code"] == "invalid_api_key", out["no key"]
+    assert out["wrong key"][0] == 401 and out["models without key"] == 401 and out["health without key"] == 200
+    assert out["with key"][0] == 200 and out["with key"][1]["choices"][0]["finish_reason"] == "length"
+    assert out["text/plain"][0] == 415
+    host_code, host_reply = out["foreign host"]
+    assert host_code == 403 and "Host 'attacker.example:8000'" in host_reply["error"]["message"], host_reply
+    assert out["foreign origin"][0] == 403 and out["foreign origin"][1]["error"]["code"] == "origin_not_allowed"
+    assert out["localhost"][0] == 200
+    assert out["unknown path"][0] == 404 and "GET /v1/engines" in out["unknown path"][1]["error"]["message"]
+    assert out["second of a client"][0] == 429 and "max-pending-per-client" in out["second of a client"][1]["error"][
+        "message"]
+    assert out["first"] == 200
+
+
+def test_a_body_that_never_arrives_gets_408_and_a_request_past_its_deadline_504(trained):
+    """200 connections sending Content-Length 1000 then 10 bytes held their sockets forever."""
+    limits = ServeLimits(read_timeout=0.5, request_timeout=0.5)
+
+    async def body(client, engine):
+        host, port = client.server.host, client.server.port
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        await writer.drain()
+        started = time.monotonic()
+        head = await asyncio.wait_for(reader.read(4096), 10)
+        waited = time.monotonic() - started
+        writer.close()
+        late = await client.post("/v1/completions", json={"prompt": CANARY, "max_tokens": 200, "temperature": 0})
+        return head.decode(errors="replace"), waited, late.status, await late.json()
+    head, waited, status, reply = serve(trained, body, limits, step_seconds=0.02)
+    assert head.startswith("HTTP/1.1 408") and "serve --read-timeout" in head and 0.4 < waited < 5, (head, waited)
+    assert status == 504 and reply["error"]["code"] == "timeout" and "serve --request-timeout" in \
+        reply["error"]["message"], reply
+
+
+def test_stop_strings_cut_the_text_before_them_streaming_or_not(trained):
+    """`stop` was refused; clients send it by default. The text ends before the first stop string
+    (not included, as OpenAI does), finish_reason "stop"; a stream never sends a stop string's
+    beginning that it later withholds."""
+    whole = greedy(trained, CANARY, 60)
+    cut = whole[len(whole) // 3: len(whole) // 3 + 4]
+    assert cut.strip() and whole.find(cut) > 0
+    want = whole[:whole.find(cut)]
+
+    async def body(client, engine):
+        plain = await client.post("/v1/completions", json={"prompt": CANARY, "max_tokens": 60, "temperature": 0,
+                                                           "stop": ["never appears \u2603", cut]})
+        streamed = await stream_text(client, CANARY, 60, stop=cut)
+        return await plain.json(), streamed
+    plain, (text, events, _) = serve(trained, body)
+    assert plain["choices"][0]["text"] == want and plain["choices"][0]["finish_reason"] == "stop", plain
+    assert text == want and events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert plain["usage"]["completion_tokens"] < 60
+
+
+def test_a_signal_drains_while_still_listening_new_requests_get_503_and_a_second_stops_at_once(trained):
+    """After SIGTERM the listening socket was closed first: new clients were refused a connection
+    instead of the documented 503. The handler (drain_then_stop, as serve installs it) is called
+    here as the signal would."""
+    want = greedy(trained, CANARY, 80)
+
+    async def body(client, engine):
+        stopped = []
+        on_signal = drain_then_stop(client.server.app, lambda: stopped.append(engine.busy()))
+        canary = asyncio.create_task(stream_text(client, CANARY, 80))
+        while not engine.busy():
+            await asyncio.sleep(0.01)
+        on_signal()
+        code, reply = await post_raw(client, json.dumps({"prompt": "Hi"}).encode())
+        health = await (await client.get("/health")).json()
+        refused_at = time.monotonic()
+        text, _, finished = await canary
+        for _ in range(100):
+            if stopped:
+                break
+            await asyncio.sleep(0.02)
+        on_signal()   # a second signal: stop now
+        return code, reply, health, refused_at, text, finished, stopped
+    code, reply, health, refused_at, text, finished, stopped = serve(trained, body, step_seconds=0.02)
+    assert code == 503 and "shutting down" in reply["error"]["message"] and health["status"] == "draining"
+    assert refused_at < finished, "the canary had finished before the new request was refused"
+    assert text == want, "the running stream was not let finish whole"
+    assert stopped == [0, 0], "the server was stopped before its requests were done"
+
+
+def test_the_app_keeps_its_drain_under_a_typed_key(trained):
+    """(aiohttp's AppKey: no warning about string keys in the server's log.)"""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        app = build_app(Engine(ContinuousBatcher(trained.model, slots=1, capacity=8), 1, trained.eod),
+                        trained.tokenizer, "hf", 8, ServeLimits())
+    assert callable(app[DRAIN])
