@@ -84,9 +84,10 @@ def test_a_sequence_moved_into_a_freed_slot_decodes_on_as_alone():
         batcher.step()
         for slot, s in batcher.running.items():
             slots[s.id].add(slot)
-    # sequence 2 was admitted to slot 2 and moved to slot 0 in the same step (sequence 0 ended);
-    # sequence 3 took slot 2, then moved to slot 0 when sequence 2 ended
-    assert slots == {sequences[0].id: set(), sequences[1].id: {1}, sequences[2].id: {0},
+    # a step decodes the running ones, then reads prompts into the free slots: sequence 2 took
+    # slot 2 and moved to slot 0 when sequence 0 ended; sequence 3 then took slot 2, and moved to
+    # slot 0 when sequence 2 ended
+    assert slots == {sequences[0].id: {0}, sequences[1].id: {1}, sequences[2].id: {2, 0},
                      sequences[3].id: {2, 0}}, slots
     for s, p, n in zip(sequences, ps, budgets):
         assert s.tokens == list(generate_ids(model, p, n)), s.id
@@ -118,3 +119,50 @@ def test_a_failing_sequence_fails_alone_and_the_others_decode_on_as_alone(monkey
     assert not batcher.running and batcher.failed_decodes == 0
     with pytest.raises(RuntimeError, match="injected"):
         generate_batch(model, ps, 4, slots=2, temperature=0.5)
+
+
+@pytest.mark.parametrize("items", [[], ["model.layer_pattern=IAIW", "model.window=6"]], ids=["interdomain", "hybrid"])
+def test_prompts_read_on_the_prefill_thread_take_slots_in_order_and_decode_as_alone(items):
+    """prefill_thread=True (the server): prompts are read on a thread of their own while the
+    batcher's thread decodes; every step decodes each running sequence; first tokens come in
+    order of arrival; a cancelled prompt and one that fails while read leave without a slot;
+    every completion is what it is alone."""
+    import threading
+    model = tiny(items, dtype=torch.float32)
+    readers = set()
+    forward = model.forward
+
+    def recording(tokens, *args, **kwargs):
+        if tokens.shape[1] > 1:   # a prompt being read (decode steps do not call forward)
+            readers.add(threading.current_thread().name)
+            if tokens[0, 0] == 1:
+                raise RuntimeError("injected: this prompt cannot be read")
+        return forward(tokens, *args, **kwargs)
+    model.forward = recording
+    g = torch.Generator().manual_seed(4)
+    short = torch.randint(2, VOCAB, (5,), generator=g).tolist()
+    longs = [torch.randint(2, VOCAB, (40,), generator=g).tolist() for _ in range(4)]
+    batcher = ContinuousBatcher(model, slots=4, capacity=64, prefill_thread=True, prefill_chunk_size=8)
+    try:
+        first = batcher.submit(Request(short, 30))
+        while not first.tokens:
+            batcher.step()
+        later = [batcher.submit(Request(p, 4)) for p in longs]
+        doomed = batcher.submit(Request([1, *longs[0][1:]], 4))   # fails while read
+        later[2].cancelled = True
+        order = []
+        while batcher.busy():
+            before = len(first.tokens)
+            events = batcher.step()
+            if before < 30:
+                assert len(first.tokens) == before + 1, "a step did not decode the running sequence"
+            order += [s.id for s, token, _ in events if s is not first and len(s.tokens) == 1 and token is not None]
+    finally:
+        batcher.close()
+    assert readers == {"megatron-id-prefill"}, readers
+    assert order == [later[i].id for i in (0, 1, 3)], order
+    assert later[2].finish_reason == "cancelled" and not later[2].tokens
+    assert doomed.finish_reason == "error" and "injected" in str(doomed.error) and doomed.slot is None
+    assert first.tokens == list(generate_ids(model, short, 30)), "the running sequence"
+    for i in (0, 1, 3):
+        assert later[i].tokens == list(generate_ids(model, longs[i], 4)), i

@@ -10,9 +10,9 @@ import json
 import time
 
 import pytest
+import torch
 from hf_tiny import tiny_export
 
-from megatron_id.inference import batching
 from megatron_id.inference.batching import ContinuousBatcher
 from megatron_id.inference.generate import generate_ids, load_trained
 from megatron_id.inference.server import DRAIN, Engine, ServeLimits, build_app, drain_then_stop
@@ -37,7 +37,7 @@ def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step
     """Run `body(client, engine)` against the app with a live engine; `step_seconds` slows every
     decode step (a model of realistic speed, so that requests overlap)."""
     from aiohttp.test_utils import TestClient, TestServer
-    batcher = ContinuousBatcher(trained.model, slots=slots, capacity=MAX_MODEL_LEN)
+    batcher = ContinuousBatcher(trained.model, slots=slots, capacity=MAX_MODEL_LEN, prefill_thread=True)
     if step_seconds:
         step = batcher.decoder.step
 
@@ -143,21 +143,25 @@ def test_each_hostile_request_gets_a_4xx_json_error_and_a_canary_stream_beside_t
     assert status == 200 and health["status"] == "ok" and health["pending"] == 0, health
 
 
-def test_a_failure_inside_a_step_fails_only_the_requests_it_touched_and_the_engine_goes_on(trained, monkeypatch):
+def test_a_failure_inside_a_step_fails_only_the_requests_it_touched_and_the_engine_goes_on(trained):
     """A prefill that raises fails its own request (500 JSON); a decode step that raises fails the
     sequences in it (an error event inside a stream, never another response's bytes); the next
     requests are served and equal generate's; /health stays 200."""
     marker = trained.tokenizer.encode(" Zebra").ids[0]
-    prefill = batching.prefill
 
-    def faulty_prefill(model, prompt, chunk_size):
-        if prompt[0] == marker:
-            raise RuntimeError("injected: this prompt's prefill fails")
-        return prefill(model, prompt, chunk_size)
-    monkeypatch.setattr(batching, "prefill", faulty_prefill)
+    class Faulty(torch.nn.Module):   # the prompt's reading (the decode step does not call the model)
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.lm_head = model, model.lm_head
+
+        def forward(self, chunk, **kwargs):
+            if int(chunk[0, 0]) == marker:
+                raise RuntimeError("injected: this prompt's prefill fails")
+            return self.model(chunk, **kwargs)
     want = greedy(trained, CANARY, 60)
 
     async def body(client, engine):
+        engine.batcher.model = Faulty(engine.batcher.model)
         canary = asyncio.create_task(stream_text(client, CANARY, 60))
         while not engine.busy():
             await asyncio.sleep(0.01)
@@ -170,9 +174,9 @@ def test_a_failure_inside_a_step_fails_only_the_requests_it_touched_and_the_engi
         step = engine.batcher.decoder.step
         calls = {"n": 0}
 
-        def fails_once(tokens):
-            calls["n"] += 1
-            if calls["n"] == 3:
+        def fails_once(tokens):   # the first step that decodes both
+            if tokens.shape[0] == 2 and not calls["n"]:
+                calls["n"] += 1
                 raise RuntimeError("injected: the decode step fails")
             return step(tokens)
         engine.batcher.decoder.step = fails_once

@@ -20,8 +20,13 @@ def add_parser(sub) -> None:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the running requests get to finish (default 30)")
     sv.add_argument("--prefill-chunk-size", type=int, default=2048)
+    sv.add_argument("--inline-prefill", action="store_true",
+                    help="read prompts on the engine thread between decode steps (each prompt stalls every "
+                         "stream for its length) instead of on a thread of their own beside them (default)")
     sv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
-    sv.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    sv.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default on a CPU: half the cores, the prefill thread and the decode "
+                         "steps each using that many; with --inline-prefill or on a GPU, torch's choice)")
     sv.add_argument("--api-key", default=None,
                     help="clients must send 'Authorization: Bearer KEY' (every endpoint but /health); default: "
                          "$MEGATRON_ID_API_KEY, which keeps the key out of the process list; none: no key")
