@@ -33,7 +33,7 @@ def greedy(trained, prompt: str, max_tokens: int) -> str:
 
 
 def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step_seconds: float = 0.0,
-          max_pending: int = 8):
+          max_pending: int = 8, chat=None):
     """Run `body(client, engine)` against the app with a live engine; `step_seconds` slows every
     decode step (a model of realistic speed, so that requests overlap)."""
     from aiohttp.test_utils import TestClient, TestServer
@@ -46,7 +46,7 @@ def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step
             return step(tokens)
         batcher.decoder.step = slow
     engine = Engine(batcher, max_pending, trained.eod)
-    app = build_app(engine, trained.tokenizer, "hf", MAX_MODEL_LEN, limits or ServeLimits())
+    app = build_app(engine, trained.tokenizer, "hf", MAX_MODEL_LEN, limits or ServeLimits(), chat)
 
     async def run():
         engine.start()
@@ -349,3 +349,91 @@ def test_the_app_keeps_its_drain_under_a_typed_key(trained):
         app = build_app(Engine(ContinuousBatcher(trained.model, slots=1, capacity=8), 1, trained.eod),
                         trained.tokenizer, "hf", 8, ServeLimits())
     assert callable(app[DRAIN])
+
+
+CHATML = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+          "{{ raise_exception('the system message must come first') }}{% endif %}"
+          "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_completions_render_the_tokenizers_template_and_answer_as_openai_does(trained, tmp_path):
+    """/v1/chat/completions: the messages rendered by the tokenizer's chat template (found where
+    transformers keeps it), then generated as a completion; the reply is OpenAI's chat shape,
+    streaming (role first, then content deltas) or not. Without a template, a 400 saying so."""
+    from megatron_id.data.tokenizer import chat_template_of
+    from megatron_id.inference.api import ChatTemplate
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert chat_template_of(tmp_path / "tokenizer.json") is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default",
+                                                                                   "template": CHATML}]}))
+    assert chat_template_of(tmp_path / "tokenizer.json") == CHATML
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    assert chat_template_of(tmp_path / "tokenizer.json") == "{{ messages[0].content }}"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The water cycle"}]
+    rendered = "<|system|>Be brief.\n<|user|>The water cycle\n<|assistant|>"
+    want = greedy(trained, rendered, 12)
+
+    async def body(client, engine):
+        ask = {"messages": messages, "max_completion_tokens": 12, "temperature": 0, "logprobs": False}
+        plain = await (await client.post("/v1/chat/completions", json=ask)).json()
+        reply = await client.post("/v1/chat/completions", json={**ask, "stream": True})
+        events = [json.loads(line.decode()[6:]) async for line in reply.content if line.startswith(b"data: {")]
+        bad = [await post_raw_to(client, "/v1/chat/completions", b) for b in (
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            {"messages": [messages[1], messages[0]]},
+            {"messages": messages, "max_tokens": 3, "max_completion_tokens": 3},
+            {"messages": messages, "prompt": "x"})]
+        return plain, events, bad
+    plain, events, bad = serve(trained, body, chat=ChatTemplate(CHATML, {"bos_token": "", "eos_token": ""}))
+    assert plain["object"] == "chat.completion" and plain["id"].startswith("chatcmpl-")
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": want}, plain
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["usage"]["completion_tokens"] == 12
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    codes = [(code, reply["error"]["message"]) for code, reply in bad]
+    assert codes[0][0] == 400 and "messages[0] must be" in codes[0][1], codes
+    assert codes[1][0] == 400 and "the chat template refused the messages: the system message must come first" \
+        in codes[1][1], codes
+    assert codes[2][0] == 400 and "max_tokens or max_completion_tokens, not both" in codes[2][1]
+    assert codes[3][0] == 400 and "unknown field(s) prompt" in codes[3][1]
+
+    async def without(client, engine):
+        return await post_raw_to(client, "/v1/chat/completions", {"messages": messages})
+    code, reply = serve(trained, without)
+    assert code == 400 and "this model's tokenizer has no chat template" in reply["error"]["message"], reply
+
+
+async def post_raw_to(client, path: str, body: dict):
+    reply = await client.post(path, json=body)
+    return reply.status, await reply.json()
+
+
+def test_an_export_keeps_its_tokenizers_chat_template_and_renders_it_as_transformers_does(tmp_path):
+    """A tokenizer with a chat template (an imported Llama / Qwen keeps the source's) is exported
+    with it in tokenizer_config.json: serve finds it there, and renders the messages exactly as
+    transformers' apply_chat_template does."""
+    import shutil
+
+    from conftest import CONFIGS
+    from hf_tiny import TOKENIZER, export_model
+    from transformers import AutoTokenizer
+
+    from megatron_id.config import load_config
+    from megatron_id.data.tokenizer import chat_template_of
+    from megatron_id.inference.api import ChatTemplate
+    from megatron_id.model.language_model import LanguageModel
+    source = tmp_path / "tok"
+    source.mkdir()
+    shutil.copy(TOKENIZER, source / "tokenizer.json")
+    (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    cfg = load_config([CONFIGS / "model" / "tiny.yaml"], ["model.vocab_size=50257"]).model
+    folder = export_model(LanguageModel(cfg, seed=1), cfg, tmp_path / "hf", tokenizer=source / "tokenizer.json")
+    assert chat_template_of(folder / "tokenizer.json") == CHATML
+    assert load_trained(folder).tokenizer_path.parent == folder
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Rain?"},
+                {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Why?"}]
+    theirs = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False,
+                                                                       add_generation_prompt=True)
+    assert ChatTemplate(CHATML, {"bos_token": "", "eos_token": ""}).render(messages) == theirs

@@ -2,6 +2,7 @@
 one), or GPT-2 style vocab.json + merges.txt as Megatron's GPT2BPETokenizer takes them."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -238,3 +239,23 @@ def check_tokenizer_for_model(tokenizer, tokenizer_path, model_vocab: int, recor
             f"{model_vocab:,} (model.vocab_size): ids {model_vocab}..{size - 1} would fail on the first text "
             f"that uses them. Use the tokenizer the model was trained with, or train with model.vocab_size >= {size}.")
     return own
+
+
+def chat_template_of(tokenizer_path) -> str | None:
+    """The chat template kept beside a tokenizer.json, as transformers keeps it: chat_template.jinja,
+    or tokenizer_config.json's "chat_template" (a string, or a list of named templates: the one
+    named "default"). None when there is none."""
+    folder = Path(tokenizer_path).parent
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        template = json.loads(config.read_text()).get("chat_template")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) and template.strip() else None

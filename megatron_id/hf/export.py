@@ -54,7 +54,7 @@ from ..checkpoint.integrity import (
 )
 from ..checkpoint.read import ModelState, checkpoint_folder, write_weights_only
 from ..data.indexed_dataset import _pid_alive
-from ..data.tokenizer import check_tokenizer_for_model, eod_id, find_tokenizer, load_tokenizer
+from ..data.tokenizer import chat_template_of, check_tokenizer_for_model, eod_id, find_tokenizer, load_tokenizer
 from ..errors import (
     BadOptionError,
     OutputExistsError,
@@ -465,7 +465,11 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
              "model_max_length": cfg.seq_length,
              # left padding runs each row as if alone (the model's forward); right padding
              # scores correctly too but leaves no cache to generate from
-             "padding_side": "left"}, indent=2) + "\n")
+             "padding_side": "left",
+             # the tokenizer's chat template, if it has one (an imported Llama / Qwen): what
+             # `serve`'s /v1/chat/completions and transformers' apply_chat_template render
+             **({"chat_template": template} if (template := chat_template_of(tokenizer)) else {})},
+            indent=2) + "\n")
         # last: the size and sha256 of every file (and of each 4 MiB chunk, for sampled checks),
         # verified by generate, serve, eval and import-hf before they use the weights
         write_manifest(staging, manifest_entries(staging, checkpoint_files(staging), chunk_bytes=CHUNK_BYTES))

@@ -195,3 +195,64 @@ class StopText:
                     hold = n
                     break
         return self.text[:len(self.text) - hold]
+
+
+# ---------------------------------------------------------------- chat completions
+
+CHAT_KNOWN = (KNOWN - {"prompt", "echo", "suffix", "best_of"}) | {"messages", "max_completion_tokens"}
+ROLES = ("system", "user", "assistant")
+
+
+class ChatTemplate:
+    """A Jinja chat template rendered as transformers renders it (a sandboxed environment, the
+    messages, add_generation_prompt=True and the special tokens' names); an error of the
+    template becomes the request's 400."""
+
+    def __init__(self, source: str, special_tokens: dict):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise BadRequest(f"the chat template refused the messages: {message}", "messages")
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = raise_exception
+        self.template = environment.from_string(source)
+        self.special_tokens = special_tokens
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2 import TemplateError
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        except TemplateError as e:
+            raise BadRequest(f"the chat template could not render the messages: {e}", "messages") from None
+
+
+def parse_chat(body, max_model_len: int, template: ChatTemplate | None) -> tuple[dict, str]:
+    """(settings, prompt text) from a chat completions body: the messages rendered by the
+    tokenizer's chat template, the rest checked as for completions."""
+    if template is None:
+        raise BadRequest("this model's tokenizer has no chat template (tokenizer_config.json \"chat_template\" or "
+                         "chat_template.jinja beside tokenizer.json): use /v1/completions with a prompt")
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - CHAT_KNOWN)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}", unknown[0])
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES or \
+                not isinstance(message.get("content"), str) or set(message) - {"role", "content", "name"}:
+            raise BadRequest(f"messages[{i}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, "
+                             f"not {str(message)[:200]}", "messages")
+        check_text(message["content"], "messages")
+    if body.get("logprobs") is False:   # chat's logprobs is a boolean; false is its neutral value
+        body = {**body, "logprobs": None}
+    if "max_completion_tokens" in body:
+        if "max_tokens" in body:
+            raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        body = {**{k: v for k, v in body.items() if k != "max_completion_tokens"},
+                "max_tokens": body["max_completion_tokens"]}
+    prompt = template.render([{"role": m["role"], "content": m["content"]} for m in messages])
+    rest = {k: v for k, v in body.items() if k != "messages"}
+    return parse_completion({**rest, "prompt": prompt}, max_model_len)

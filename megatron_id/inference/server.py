@@ -49,14 +49,17 @@ from urllib.parse import urlsplit
 import torch
 from aiohttp import web
 
+from ..data.tokenizer import chat_template_of
 from ..errors import BadOptionError
 from .api import (
     BadRequest,
+    ChatTemplate,
     StopText,
     check_content_type,
     check_prompt_bytes,
     decode_body,
     longest_token_bytes,
+    parse_chat,
     parse_completion,
     to_request,
 )
@@ -230,7 +233,10 @@ def release_memory() -> None:
         pass
 
 
-def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, limits: ServeLimits):
+def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, limits: ServeLimits,
+              chat_template: ChatTemplate | None = None):
+    """The aiohttp app; chat_template (the tokenizer's, api.ChatTemplate) serves
+    /v1/chat/completions, which without one answers 400 saying so."""
     state = {"draining": False}
     per_client = collections.Counter()   # remote address -> requests pending
     bytes_per_token = longest_token_bytes(tokenizer)
@@ -293,6 +299,12 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
         return decode_body(raw), len(raw)
 
     async def completions(http):
+        return await complete(http, chat=False)
+
+    async def chat_completions(http):
+        return await complete(http, chat=True)
+
+    async def complete(http, chat: bool):
         if state["draining"]:
             return error_response(503, "the server is shutting down", kind="server_error")
         if engine.failure is not None:
@@ -305,7 +317,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                 return error_response(404, f"The model `{asked}` does not exist: this server serves "
                                                 f"`{model_name}` (GET /v1/models; megatron-id serve "
                                                 f"--served-model-name)", "model", code="model_not_found")
-            settings, prompt = parse_completion(body, max_model_len)
+            settings, prompt = (parse_chat(body, max_model_len, chat_template) if chat else
+                                parse_completion(body, max_model_len))
             check_prompt_bytes(prompt, settings, max_model_len, bytes_per_token)
             ids = (await asyncio.get_running_loop().run_in_executor(None, tokenizer.encode, prompt)).ids
             request = to_request(ids, settings, max_model_len)
@@ -314,7 +327,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                 return error_response(429, f"{per_client[client]} requests of this client are already queued "
                                                 f"or running (serve --max-pending-per-client): retry later",
                                       kind="rate_limit_error", headers={"Retry-After": "1"})
-            ident = f"cmpl-{uuid.uuid4().hex}"
+            ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             request.name = ident
             ticket, out = engine.submit(request, asyncio.get_running_loop())
         except BadRequest as e:
@@ -331,14 +344,26 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                 release_memory()
         per_client[client] += 1
         try:
-            return await answer(http, ident, request, settings, ticket, out)
+            return await answer(http, ident, request, settings, ticket, out, chat)
         finally:
             per_client[client] -= 1
             if not per_client[client]:
                 del per_client[client]
 
-    async def answer(http, ident, request, settings, ticket, out):
-        chunk = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
+    async def answer(http, ident, request, settings, ticket, out, chat: bool):
+        kind = ("chat.completion.chunk" if settings["stream"] else "chat.completion") if chat else "text_completion"
+        chunk = {"id": ident, "object": kind, "created": int(time.time()), "model": model_name}
+
+        def choice(text: str, finish, first: bool = False) -> dict:
+            """OpenAI's choice: text for completions; for chat a message, or in a stream a delta
+            (the role in the first, the content in each, empty with the finish_reason at the end)."""
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            if not settings["stream"]:
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": finish}
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         stream = settings["stream"]
         tokens, sent, finish, failure = [], "", None, None
         text = StopText(settings["stop"])
@@ -353,6 +378,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(http)
+                if chat:   # OpenAI's first chunk: the role, no content yet
+                    await send({**chunk, "choices": [choice("", None, first=True)]})
             while finish is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 try:
@@ -381,8 +408,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                     ready = text.ready(final=finish is not None)
                     delta, sent = ready[len(sent):], ready
                     if delta or finish is not None:
-                        await send({**chunk, "choices": [{"index": 0, "text": delta, "logprobs": None,
-                                                          "finish_reason": finish}]})
+                        await send({**chunk, "choices": [choice(delta, finish)]})
         except (asyncio.CancelledError, ConnectionResetError):
             ticket["cancelled"] = True   # the engine cancels its sequence at the next step
             raise
@@ -401,8 +427,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
-        choice = {"index": 0, "text": text.ready(final=True), "logprobs": None, "finish_reason": finish}
-        return web.json_response({**chunk, "choices": [choice], "usage": usage})
+        return web.json_response({**chunk, "choices": [choice(text.ready(final=True), finish)], "usage": usage})
 
     async def models(http):
         return web.json_response({"object": "list", "data": [{"id": model_name, "object": "model",
@@ -434,6 +459,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
 
     app = web.Application(client_max_size=limits.max_body_size, middlewares=[guard])
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.on_shutdown.append(drain)
@@ -524,7 +550,13 @@ def serve(args) -> int:
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
                                 prefill_chunk_size=args.prefill_chunk_size, prefill_thread=not args.inline_prefill)
     engine = Engine(batcher, args.max_pending or 4 * args.slots, trained.eod)
-    app = build_app(engine, trained.tokenizer, name, max_model_len, limits)
+    template = chat_template_of(trained.tokenizer_path)
+    try:
+        chat = ChatTemplate(template, special_tokens(trained.tokenizer_path)) if template else None
+    except Exception as e:   # jinja2's TemplateSyntaxError: a broken template, named before serving
+        raise BadOptionError(f"the chat template beside {trained.tokenizer_path} does not parse ({e}): fix it, or "
+                             f"remove it to serve /v1/completions only.") from None
+    app = build_app(engine, trained.tokenizer, name, max_model_len, limits, chat)
 
     async def on_startup(app):
         import signal
@@ -540,7 +572,8 @@ def serve(args) -> int:
               f"anyone who can reach the port can use the model; set --api-key or {API_KEY_ENV}", file=sys.stderr,
               flush=True)
     listening = (f"megatron-id serve: {name} on http://{args.host}:{{port}} ({args.slots} slots, max-model-len "
-                 f"{max_model_len}, device {device}{', API key required' if limits.api_key else ''})")
+                 f"{max_model_len}, device {device}{', API key required' if limits.api_key else ''}"
+                 f"{', chat template: /v1/chat/completions' if chat else ''})")
     try:
         # (run_app prints once its socket listens: the line clients and tests wait for)
         web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_timeout + 5,
@@ -554,6 +587,21 @@ def serve(args) -> int:
         return 1
     print("megatron-id serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def special_tokens(tokenizer_path) -> dict:
+    """bos_token / eos_token as tokenizer_config.json names them, for chat templates that use them."""
+    config = Path(tokenizer_path).parent / "tokenizer_config.json"
+    try:
+        values = json.loads(config.read_text()) if config.is_file() else {}
+    except json.JSONDecodeError:
+        values = {}
+    out = {}
+    for name in ("bos_token", "eos_token"):
+        token = values.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        out[name] = token if isinstance(token, str) else ""
+    return out
 
 
 def default_threads(device, inline_prefill: bool) -> int:
