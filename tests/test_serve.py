@@ -157,7 +157,8 @@ def test_thirty_two_clients_get_what_generate_gives_alone_and_memory_stays_flat(
 
 def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
     want = references(export, 35)["The water cycle"]
-    server = Server(export, "--slots", 2, "--max-pending", 4, "--max-model-len", 40)
+    access = export.parent / "access.log"
+    server = Server(export, "--slots", 2, "--max-pending", 4, "--max-model-len", 40, "--access-log", access)
     try:
         for body, status, mention in [
                 (b"not json", 400, "the body is not JSON"),
@@ -209,6 +210,9 @@ def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
             assert "".join(e["choices"][0]["text"] for e in events) == want
         log = server.output()
         assert "draining 2 request(s)" in log and "megatron-id serve: stopped" in log, log
+        lines = access.read_text().splitlines()   # one line per request: 9 bad, 12 of the burst, 2 streams
+        assert sum('"POST /v1/completions HTTP/1.1" 400' in line for line in lines) == 9, lines
+        assert sum('"POST /v1/completions HTTP/1.1" 503' in line for line in lines) == codes.count(503), lines
     finally:
         server.stop()
 

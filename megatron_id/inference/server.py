@@ -640,8 +640,12 @@ def open_access_log(path: str | None):
     if path == "-":
         log.addHandler(logging.StreamHandler(sys.stderr))
     else:
+        folder = Path(path).resolve().parent
         try:
-            log.addHandler(logging.FileHandler(path, mode="a"))
+            if Path(path).is_dir() or not folder.is_dir():
+                raise FileNotFoundError(2, "a folder" if Path(path).is_dir() else f"no folder {folder}")
+            # delay: the file is opened at the first request, so a start that fails leaves none
+            log.addHandler(logging.FileHandler(path, mode="a", delay=True))
         except OSError as e:
             raise BadOptionError(f"--access-log {path}: cannot write there ({e.strerror or e}): give a file in an "
                                  f"existing folder, or - for stderr.") from None
