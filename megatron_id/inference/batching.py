@@ -249,6 +249,10 @@ class ContinuousBatcher:
                     sequence.finish_reason = "cancelled"
                     continue
                 self._admit(sequence, logits, states, events)
+                if self._stream is not None:
+                    # the states were allocated on the prefill stream: let the copy into the slot
+                    # finish before they are freed and that stream may reuse their memory
+                    torch.cuda.current_stream(self.device).synchronize()
             except Exception as failure:
                 self._failed_reading(sequence, failure, events)
         for sequence in self.waiting:
