@@ -4,6 +4,7 @@ and without chunked prefill.
     python benchmarks/generation.py            # ~11 minutes on 2 cores
     python benchmarks/generation.py --server   # only the server and memory-per-sequence rows (~3 minutes)
     python benchmarks/generation.py --batched  # only the batched fused-step rows (~3 minutes)
+    python benchmarks/generation.py --hf       # only transformers' generate on the exports (~1 minute)
 
 Model: a small width (d 256, 4 heads, 4 layers, M 64, GPT-2 vocabulary), random weights (latency
 and memory do not depend on the values), batch 1, fp32, on this CPU with 2 threads. Each cell
@@ -18,6 +19,11 @@ runs in a fresh process (so peak RSS is its own):
   server   `megatron-id serve` on the model exported (32 slots), N concurrent clients sending
            greedy completions: generated tokens per second of wall time, and the server's RSS;
            then what one sequence's slot holds in the fused step at 1K-16K tokens of context.
+  hf       transformers' generate on the exports (trust_remote_code), batch 1, a 32-token prompt,
+           greedy: ms per new token ((time of 65 tokens - time of 1) / 64, best of 3), the
+           interdomain export on the fused step (its default: the bundled fused_decode, with
+           megatron_id's C++ core when megatron_id wrote the export) and on the model's own
+           forward (config.fused_decode = False), beside the softmax export, in one run.
 (The fused step's own latency at 125M width, batch 1 and 8: benchmarks/decode_step.py.)
 """
 from __future__ import annotations
@@ -217,6 +223,34 @@ def server_rows(clients=(1, 8, 32), prefix: int = 256, max_tokens: int = 32, req
               + " |", flush=True)
 
 
+def hf_rows(prompt_tokens: int = 32, new_tokens: int = 64) -> None:
+    """transformers' generate on the interdomain export (fused step, and its own forward) and on
+    the softmax export: ms per new token, side by side."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    print(f"\n## transformers' generate on the exports: ms per new token, batch 1, {prompt_tokens}-token prompt, "
+          f"greedy, {torch.get_num_threads()} threads\n")
+    print("| export | decode | ms per token |")
+    print("|---|---|---|")
+    ids = torch.randint(0, 50000, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {mixer: export_random(mixer, Path(tmp) / mixer) for mixer in ("interdomain", "softmax")}
+        for mixer, fused in (("interdomain", True), ("interdomain", False), ("softmax", False)):
+            model = AutoModelForCausalLM.from_pretrained(folders[mixer], trust_remote_code=True).eval()
+            model.config.fused_decode = fused
+
+            def run(n):
+                start = time.perf_counter()
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                return time.perf_counter() - start
+            run(4)   # warm-up (and the C++ core's build, once)
+            per_token = (min(run(new_tokens + 1) for _ in range(3)) - min(run(1) for _ in range(3))) / new_tokens
+            how = "fused step" if fused else "the model's forward"
+            print(f"| {mixer} | {how} | {per_token * 1000:.2f} |", flush=True)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--cell"]:
         kind, mixer, n, chunk = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
@@ -229,6 +263,9 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["--batched"]:
         batched_rows()
+        return
+    if sys.argv[1:2] == ["--hf"]:
+        hf_rows()
         return
     print("## decode latency per token (4 layers, d 256, batch 1, median of 28 steps)\n")
     print("| prefix | " + " | ".join(MIXERS) + " |")
@@ -244,6 +281,7 @@ def main() -> None:
         print(f"| {m} | {full['peak_mib']:,.0f} MiB | {chunked['peak_mib']:,.0f} MiB |", flush=True)
     batched_rows()
     server_rows()
+    hf_rows()
 
 
 if __name__ == "__main__":

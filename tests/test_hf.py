@@ -194,16 +194,23 @@ def test_tokenizer_round_trips_and_ids_match_the_config(checkpoints, tmp_path):
 @pytest.mark.slow
 def test_the_export_loads_without_megatron_id(checkpoints, tmp_path):
     from megatron_id.hf.export import export_hf
-    folder = export_hf(checkpoints["softmax", (1, 1)][0], tmp_path / "hf")
+    folder = export_hf(checkpoints["interdomain", (1, 1)][0], tmp_path / "hf")
     code = ("import sys; sys.modules['megatron_id'] = None; sys.modules['data_tools'] = None\n"
             "import torch; from transformers import AutoModelForCausalLM\n"
             f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)\n"
-            "print(m(torch.tensor([[1, 2, 3]])).logits.shape)")
+            "print(m(torch.tensor([[1, 2, 3]])).logits.shape)\n"
+            # generate decodes on the bundled fused step, its torch ops (no megatron_id to build the C++ core)
+            "with torch.no_grad():\n"
+            "    out = m(torch.tensor([[1, 2, 3]]), use_cache=True)\n"
+            "    out = m(torch.tensor([[4]]), cache=out.cache, use_cache=True)\n"
+            "print('fused kernel', out.cache.fused.kernel)\n"
+            "print(m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False).shape)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
                                              "HF_HOME": str(tmp_path / "hf-home")})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch.Size([1, 3, 50257])" in done.stdout
+    assert "fused kernel torch" in done.stdout and "torch.Size([1, 7])" in done.stdout, done.stdout
 
 
 @pytest.mark.slow

@@ -19,10 +19,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megatron_id import MegatronIDConfig
 from .megatron_id_model import (
+    FusedDecoder,
     Group,
     InterdomainMixer,
     LanguageModel,
     ModelConfig,
+    fused_decode_refusal,
     model_config_from_values,
     names_in_group,
 )
@@ -46,8 +48,10 @@ class RecurrentCache:
 
     is_compileable = False
 
-    def __init__(self, states: list, seen_tokens: int, start: torch.Tensor | None = None):
-        self.states, self.seen_tokens, self.start = states, seen_tokens, start
+    def __init__(self, states: list | None, seen_tokens: int, start: torch.Tensor | None = None,
+                 fused: FusedDecoder | None = None):
+        # once the fused decode step has taken over (fused), the states live in its slots
+        self.states, self.seen_tokens, self.start, self.fused = states, seen_tokens, start, fused
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -63,7 +67,10 @@ class RecurrentCache:
             if isinstance(x, (list, tuple)):
                 return type(x)(pick(y) for y in x)
             return x   # positions (ints)
-        self.states = pick(self.states)
+        if self.fused is not None:
+            self.fused.reorder(beam_idx)
+        else:
+            self.states = pick(self.states)
         if self.start is not None:
             self.start = pick(self.start)
 
@@ -84,7 +91,44 @@ class RecurrentCache:
                 for k, y in vars(x).items():
                     walk(y, f"{path}.{k}")
         walk(self.states, "layers")
+        if self.fused is not None:   # the fused step's slots (one per row)
+            for i, layer in enumerate(self.fused.layers):
+                for name, buffer in layer.buffers.items():
+                    out[f"fused.{i}.{name}"] = buffer
         return out
+
+
+_CPP_CORE = []   # [the installed megatron_id's cpu_kernel module or None], decided once
+
+
+def _cpp_core():
+    """megatron_id's C++ core of the fused step (inference/cpu_kernel.py: built once, ~10 s, and
+    cached) when megatron_id is installed and is the version that wrote this export: its bundle of
+    the model code equal, byte for byte, to megatron_id_model.py here. Else None: the bundled
+    torch ops decode (the same numbers, a little slower on a CPU)."""
+    if not _CPP_CORE:
+        from pathlib import Path
+
+        from . import megatron_id_model as bundled
+        try:
+            from megatron_id.hf.bundle import bundle_source
+            from megatron_id.inference import cpu_kernel
+            same = bundle_source() == Path(bundled.__file__).read_text()
+        except Exception:   # not installed, or another version that cannot bundle
+            cpu_kernel, same = None, False
+        _CPP_CORE.append(cpu_kernel if same else None)
+    return _CPP_CORE[0]
+
+
+def _row_of(state, row: int):
+    """One row of a layer's state (batch 1), the shared step tables as they are."""
+    if isinstance(state, torch.Tensor):
+        return state[row:row + 1]
+    if isinstance(state, dict):
+        return {k: (v if k == "tables" else _row_of(v, row)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_row_of(v, row) for v in state)
+    return state
 
 
 def padding_of(attention_mask: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
@@ -126,6 +170,7 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: MegatronIDConfig):
         super().__init__(config)
         self.model = LanguageModel(training_model_config(config), form="chunked", seed=None)
+        self._fusable = None   # whether the fused decode step can run this model (decided at first use)
         self.post_init()
 
     @classmethod
@@ -166,6 +211,42 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
         self.config.model["vocab_size"] = self.config.vocab_size = size
         self.model.cfg.vocab_size = size
         return out
+
+    def _fuses(self, input_ids, cache, length, use_cache, labels, output_hidden_states) -> bool:
+        """Whether this call decodes on the fused step (inference/fused_decode.py, bundled): one
+        new token per row after a prefill, no gradient, nothing but logits asked for, a model
+        whose every layer keeps a fixed-size state (interdomain, S4D) in float32 or float64, and
+        config.fused_decode (default true) left on. The step computes what the model's own
+        forward computes (tests/test_hf.py compares the two)."""
+        if not (getattr(self.config, "fused_decode", True) and use_cache and cache is not None and length == 1
+                and input_ids is not None and labels is None and not output_hidden_states
+                and not torch.is_grad_enabled() and not self.training):
+            return False
+        if cache.fused is not None:
+            return True
+        if self._fusable is None:
+            self._fusable = (fused_decode_refusal(self.model) is None
+                             and all(block.mixer.decode_facts().fixed_size for block in self.model.layers))
+        return self._fusable and all(p.dtype in (torch.float32, torch.float64) for p in self.model.parameters())
+
+    def _fused_decode(self, input_ids, cache: RecurrentCache, start) -> CausalLMOutputWithPast:
+        """The next logits of every row by the fused step; its first call loads each row's state
+        (left padding: a row's positions count from its first real token, as in forward)."""
+        fused = cache.fused
+        if fused is None:
+            rows = input_ids.shape[0]
+            core = _cpp_core()
+            if core is not None:   # the bundle's FusedDecoder looks its C++ core up here
+                from . import megatron_id_model as bundled
+                bundled.cpu_kernel = core
+            fused = FusedDecoder(self.model, slots=rows, kernel="auto" if core is not None else "torch")
+            for row in range(rows):
+                state = [_row_of(layer, row) for layer in cache.states]
+                position = cache.seen_tokens - (int(start[row]) if start is not None else 0)
+                fused.load(row, state, position)
+        logits = fused.step(input_ids[:, 0])[:, None, :]
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: RecurrentCache(None, cache.seen_tokens + 1, start,
+                                                                                   fused)})
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
         """Only the tokens the cache has not seen; inputs_embeds on the first call only."""
@@ -221,6 +302,13 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else getattr(self.config, "output_hidden_states", False))
+        fused = cache.fused if cache is not None else None
+        if self._fuses(input_ids, cache, length, use_cache, labels, output_hidden_states):
+            return self._fused_decode(input_ids, cache, start)
+        if fused is not None:
+            raise ValueError("this cache was advanced by the fused decode step (one token per call, no gradient, "
+                             "no hidden states), and this call is not one: set model.config.fused_decode = False "
+                             "before generating to keep the cache in the model's own form.")
         chunk = prefill_chunk_size or self.config.prefill_chunk_size
         step = chunk if use_cache and chunk else length
         pieces, hidden = [], []

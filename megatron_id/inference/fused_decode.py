@@ -293,6 +293,16 @@ class FusedDecoder:
         self.positions[target] = self.positions[source]
         self.lengths[target] = self.lengths[source]
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Slot i continues from slot index[i] (beam search)."""
+        index = index.to(self.positions.device)
+        with torch.no_grad():
+            for layer in self.layers:
+                for buffer in layer.buffers.values():
+                    buffer.copy_(buffer.index_select(0, index.to(buffer.device)))
+        self.positions.copy_(self.positions.index_select(0, index))
+        self.lengths = [self.lengths[i] for i in index.tolist()]
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [n] (the next input token of slots 0..n-1, n <= slots) -> logits [n, V] after them.
