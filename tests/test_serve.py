@@ -147,10 +147,19 @@ def test_thirty_two_clients_get_what_generate_gives_alone_and_memory_stays_flat(
             headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as r:
             assert r.readline().startswith(b"data: {")
+        # and one that goes away while waiting for a whole (non-streaming) completion: before,
+        # its sequence kept its slot to max_tokens
+        body = json.dumps({"prompt": "The water cycle", "max_tokens": 3000, "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.time() + 30
+            while server.get("/health")["pending"] < 1 and time.time() < deadline:
+                time.sleep(0.01)
         deadline = time.time() + 30
-        while server.get("/health")["finished"].get("cancelled") != 1 and time.time() < deadline:
+        while server.get("/health")["finished"].get("cancelled") != 2 and time.time() < deadline:
             time.sleep(0.05)
-        assert server.get("/health") == {"status": "ok", "pending": 0, "finished": {"length": 288, "cancelled": 1}}
+        assert server.get("/health") == {"status": "ok", "pending": 0, "finished": {"length": 288, "cancelled": 2}}
     finally:
         server.stop()
 
@@ -173,6 +182,13 @@ def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
             code, reply, _ = server.post(body)
             assert code == status and mention in reply["error"]["message"], (body, code, reply)
             assert reply["error"]["type"] == "invalid_request_error"
+        # prompts of ~3.9 MiB are refused on their bytes, before tokenizing: the memory stays flat
+        # (before: each was tokenized on the event loop, and ~400 MiB stayed resident)
+        before = server.rss_mib()
+        for _ in range(5):
+            code, reply, _ = server.post({"prompt": "word " * 800_000, "max_tokens": 1})
+            assert code == 400 and "send a shorter prompt" in reply["error"]["message"], reply
+        assert server.rss_mib() - before < 60, (before, server.rss_mib())
         # a burst of 12 long requests at once: 4 are taken, the rest told to come back
         with ThreadPoolExecutor(12) as pool:
             replies = list(pool.map(lambda _: server.post({"prompt": "The water cycle", "max_tokens": 30,
@@ -210,8 +226,8 @@ def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
             assert "".join(e["choices"][0]["text"] for e in events) == want
         log = server.output()
         assert "draining 2 request(s)" in log and "megatron-id serve: stopped" in log, log
-        lines = access.read_text().splitlines()   # one line per request: 9 bad, 12 of the burst, 2 streams
-        assert sum('"POST /v1/completions HTTP/1.1" 400' in line for line in lines) == 9, lines
+        lines = access.read_text().splitlines()   # a line per request: 9 + 5 bad, 12 of the burst, 2 streams
+        assert sum('"POST /v1/completions HTTP/1.1" 400' in line for line in lines) == 14, lines
         assert sum('"POST /v1/completions HTTP/1.1" 503' in line for line in lines) == codes.count(503), lines
     finally:
         server.stop()
