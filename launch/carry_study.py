@@ -20,8 +20,8 @@ mqar   MQAR across windows (data.mqar.query_window=2, data/mqar.py): every episo
        ln 4 = guessing among the 4 values) through step 1,600 at M 16 and step 1,200 at M 32,
        while M 64 left it at step ~700.
        lr 3e-3 [our choice, measured]: at 1e-3, seeds 1 and 3 learned (1.000) and seed 2 stayed on
-       the plateau (0.291); seed 2 at 3e-3 left it at step ~1,800 (1.000). Seeds 1 and 3 and the
-       reset control at 3e-3 are the run that decides the claim (docs/replication.md).
+       the plateau (0.291); at 3e-3 all three reach 1.000 and reset stays at chance (0.013-0.018;
+       docs/replication.md).
 text   Wikipedia articles (configs/replication's model, interdomain) trained in windows of
        --text-window tokens at the same --text-tokens: carried (data.carry_state=true: each row
        reads its documents window after window, the state carried, detached) against reset (the
