@@ -111,6 +111,8 @@ HOSTILE = [   # (body, Content-Type, status, what the message says)
     (b'{"prompt": "Hi"}', "text/plain", 415, "Content-Type 'text/plain': send the body as JSON"),
     (b'\xff\xfe{"prompt": "Hi"}', "application/json", 400, "the body is not UTF-8 (byte 0)"),
     (b'{"prompt": "Hi", "stop": ["a", ""]}', "application/json", 400, "stop holds an empty string"),
+    (json.dumps({"prompt": "Hi", "stop": "x" * 100_000}).encode(), "application/json", 400,
+     "stop holds a string of 100,000 characters: at most 1,000"),
 ]
 
 

@@ -16,6 +16,7 @@ NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "user", "stream_options",
          "stop", *NEUTRAL}
 MAX_STOPS = 4            # OpenAI's limit on stop sequences
+MAX_STOP_CHARS = 1000    # per stop string: each is matched against the text's tail at every token
 SEED_RANGE = (0, 2**64 - 1)   # what torch.Generator.manual_seed takes
 
 
@@ -76,6 +77,9 @@ def parse_stop(value) -> list[str]:
         raise BadRequest(f"stop must be a string or a list of strings, not {value!r}", "stop")
     if len(stops) > MAX_STOPS:
         raise BadRequest(f"stop has {len(stops)} strings: at most {MAX_STOPS}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"stop holds a string of {max(map(len, stops)):,} characters: at most {MAX_STOP_CHARS:,}",
+                         "stop")
     if any(s == "" for s in stops):
         raise BadRequest("stop holds an empty string: every stop string needs at least one character", "stop")
     for s in stops:
