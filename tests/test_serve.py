@@ -147,6 +147,10 @@ def test_thirty_two_clients_get_what_generate_gives_alone_and_memory_stays_flat(
             headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as r:
             assert r.readline().startswith(b"data: {")
+        deadline = time.time() + 30
+        while server.get("/health")["finished"].get("cancelled") != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.get("/health")["pending"] == 0
         # and one that goes away while waiting for a whole (non-streaming) completion: before,
         # its sequence kept its slot to max_tokens
         body = json.dumps({"prompt": "The water cycle", "max_tokens": 3000, "temperature": 0}).encode()

@@ -291,11 +291,19 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
 
     async def read_body(http):
         check_content_type(http.content_type, http.charset)
+        # (not asyncio.wait_for: before Python 3.12 it can swallow the handler's cancellation when
+        # the read completes at the same moment, and a client gone would keep its request)
+        reading = asyncio.ensure_future(http.read())
         try:
-            raw = await asyncio.wait_for(http.read(), limits.read_timeout)
-        except asyncio.TimeoutError:
+            done, _ = await asyncio.wait({reading}, timeout=limits.read_timeout)
+        except asyncio.CancelledError:
+            reading.cancel()
+            raise
+        if not done:
+            reading.cancel()
             raise BadRequest(f"the body did not arrive within {limits.read_timeout:g} s (serve --read-timeout)",
-                             status=408) from None
+                             status=408)
+        raw = reading.result()
         return decode_body(raw), len(raw)
 
     async def completions(http):
@@ -367,7 +375,11 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
         stream = settings["stream"]
         tokens, sent, finish, failure = [], "", None, None
         text = StopText(settings["stop"])
-        deadline = time.monotonic() + limits.request_timeout if limits.request_timeout else None
+        # the deadline arrives as an item of the queue: a plain `await out.get()` is cancelled
+        # cleanly when the client goes away (asyncio.wait_for around it could swallow that while
+        # tokens arrive every millisecond, and the sequence ran on to max_tokens)
+        timer = (asyncio.get_running_loop().call_later(limits.request_timeout, out.put_nowait, (None, "timeout"))
+                 if limits.request_timeout else None)
         response = None
 
         async def send(data: dict) -> None:
@@ -381,10 +393,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                 if chat:   # OpenAI's first chunk: the role, no content yet
                     await send({**chunk, "choices": [choice("", None, first=True)]})
             while finish is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                try:
-                    token, finish = await asyncio.wait_for(out.get(), left)
-                except asyncio.TimeoutError:
+                token, finish = await out.get()
+                if finish == "timeout":
                     ticket["cancelled"] = True
                     failure = (504, f"the request ran past {limits.request_timeout:g} s (serve --request-timeout) "
                                     f"after {len(tokens)} tokens", "timeout")
@@ -398,6 +408,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                     break
                 if token is not None and token != request.eos_id:
                     tokens.append(token)
+                if not stream and not settings["stop"] and finish is None:
+                    continue   # (the whole text is decoded once, at the end)
                 text.update(tokenizer.decode(tokens))
                 if text.stopped:
                     ticket["cancelled"] = True   # the engine frees its slot at the next step
@@ -412,6 +424,9 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
         except (asyncio.CancelledError, ConnectionResetError):
             ticket["cancelled"] = True   # the engine cancels its sequence at the next step
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         if failure is not None:
             status, message, code = failure
             if not stream:
