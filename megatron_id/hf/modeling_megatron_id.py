@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import megatron_id_model as bundled
 from .configuration_megatron_id import MegatronIDConfig
 from .megatron_id_model import (
     FusedDecoder,
@@ -59,20 +60,12 @@ class RecurrentCache:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i of the batch continues from row beam_idx[i]. Every per-row tensor
         is indexed along its batch dimension; the parameter-only step tables are shared."""
-        def pick(x):
-            if isinstance(x, torch.Tensor):
-                return x.index_select(0, beam_idx.to(x.device))
-            if isinstance(x, dict):
-                return {k: (v if k == "tables" else pick(v)) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return type(x)(pick(y) for y in x)
-            return x   # positions (ints)
         if self.fused is not None:
             self.fused.reorder(beam_idx)
         else:
-            self.states = pick(self.states)
+            self.states = _rows(self.states, beam_idx)
         if self.start is not None:
-            self.start = pick(self.start)
+            self.start = _rows(self.start, beam_idx)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the cache holds, by path (to measure its size or compare two caches)."""
@@ -108,8 +101,6 @@ def _cpp_core():
     torch ops decode (the same numbers, a little slower on a CPU)."""
     if not _CPP_CORE:
         from pathlib import Path
-
-        from . import megatron_id_model as bundled
         try:
             from megatron_id.hf.bundle import bundle_source
             from megatron_id.inference import cpu_kernel
@@ -120,15 +111,16 @@ def _cpp_core():
     return _CPP_CORE[0]
 
 
-def _row_of(state, row: int):
-    """One row of a layer's state (batch 1), the shared step tables as they are."""
-    if isinstance(state, torch.Tensor):
-        return state[row:row + 1]
-    if isinstance(state, dict):
-        return {k: (v if k == "tables" else _row_of(v, row)) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_row_of(v, row) for v in state)
-    return state
+def _rows(x, index: torch.Tensor):
+    """The rows `index` of every per-row tensor in a state (beam search; one row for the fused
+    step); the parameter-only step tables shared, positions (ints) as they are."""
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, index.to(x.device))
+    if isinstance(x, dict):
+        return {k: (v if k == "tables" else _rows(v, index)) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_rows(y, index) for y in x)
+    return x
 
 
 def padding_of(attention_mask: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
@@ -217,7 +209,7 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
         new token per row after a prefill, no gradient, nothing but logits asked for, a model
         whose every layer keeps a fixed-size state (interdomain, S4D) in float32 or float64, and
         config.fused_decode (default true) left on. The step computes what the model's own
-        forward computes (tests/test_hf.py compares the two)."""
+        forward computes (tests/test_hf_fused.py compares the two)."""
         if not (getattr(self.config, "fused_decode", True) and use_cache and cache is not None and length == 1
                 and input_ids is not None and labels is None and not output_hidden_states
                 and not torch.is_grad_enabled() and not self.training):
@@ -237,11 +229,10 @@ class MegatronIDForCausalLM(PreTrainedModel, GenerationMixin):
             rows = input_ids.shape[0]
             core = _cpp_core()
             if core is not None:   # the bundle's FusedDecoder looks its C++ core up here
-                from . import megatron_id_model as bundled
                 bundled.cpu_kernel = core
             fused = FusedDecoder(self.model, slots=rows, kernel="auto" if core is not None else "torch")
             for row in range(rows):
-                state = [_row_of(layer, row) for layer in cache.states]
+                state = _rows(cache.states, torch.tensor([row]))
                 position = cache.seen_tokens - (int(start[row]) if start is not None else 0)
                 fused.load(row, state, position)
         logits = fused.step(input_ids[:, 0])[:, None, :]

@@ -147,6 +147,8 @@ def longest_token_bytes(tokenizer) -> int | None:
     tokenizing it. None for other tokenizers (an unknown-word token may stand for any length)."""
     if type(tokenizer.decoder).__name__ != "ByteLevel":
         return None
+    # (not max(data.tokenizer.token_bytes): it counts special tokens as 0 bytes, but a prompt that
+    # spells one out, "<|endoftext|>", is one token for all its bytes; every entry's text counts)
     return max(len(token) for token in tokenizer.get_vocab()) or 1
 
 

@@ -67,6 +67,9 @@ from .batching import ContinuousBatcher, Request
 from .fused_decode import check_kv_pool, fused_decode_refusal
 from .generate import load_trained, resolve_device
 
+# what a request gets once the engine has stopped (status, message, code)
+ENGINE_FAILED = (503, "the engine stopped after a failure and the server is exiting; retry once it is restarted",
+                 "engine_failed")
 FAILED_STEPS_FATAL = 3   # the shared decode step failing this many times in a row: the engine cannot go on
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 API_KEY_ENV = "MEGATRON_ID_API_KEY"
@@ -214,13 +217,13 @@ class Engine:
                 self.on_fatal()
 
 
-def error_body(status: int, message: str, param=None, kind="invalid_request_error", code=None) -> dict:
+def error_body(message: str, param=None, kind="invalid_request_error", code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param=None, kind="invalid_request_error", headers=None,
                    code=None):
-    return web.json_response(error_body(status, message, param, kind, code), status=status, headers=headers)
+    return web.json_response(error_body(message, param, kind, code), status=status, headers=headers)
 
 
 def release_memory() -> None:
@@ -242,8 +245,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
     bytes_per_token = longest_token_bytes(tokenizer)
 
     def engine_failed():
-        return error_response(503, "the engine stopped after a failure and the server is exiting; retry once "
-                                         "it is restarted", kind="server_error", code="engine_failed")
+        status, message, code = ENGINE_FAILED
+        return error_response(status, message, kind="server_error", code=code)
 
     @web.middleware
     async def guard(http, handler):
@@ -401,8 +404,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                     break
                 if finish == "error":
                     ticket["cancelled"] = True
-                    failure = ((503, "the engine stopped after a failure; retry once the server is restarted",
-                                "engine_failed") if engine.failure is not None else
+                    failure = (ENGINE_FAILED if engine.failure is not None else
                                (500, f"the model failed while generating request {ident} (the server's log has the "
                                      f"cause); other requests are unaffected: retry", "generation_failed"))
                     break
@@ -431,7 +433,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
             status, message, code = failure
             if not stream:
                 return error_response(status, message, kind="server_error", code=code)
-            await send(error_body(status, message, kind="server_error", code=code))   # as vLLM streams an error
+            await send(error_body(message, kind="server_error", code=code))   # as vLLM streams an error
             await response.write_eof()
             return response
         usage = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
