@@ -9,7 +9,9 @@
 --check verifies the offsets and the document index, scans every token id (bounded memory) and
 reports their range, negative ids, an .idx dtype code that contradicts the .meta.json sidecar
 (e.g. an int16 index over uint16 data), every chunk of the .bin against the checksums its sidecar
-recorded, and, with --vocab-size, ids the model could not embed.
+recorded, with --vocab-size ids the model could not embed, and ids the tokenizer that made the data
+cannot produce (at or above the size of --tokenizer, else of the one the sidecar records),
+whatever --vocab-size says.
 
 --write-meta writes the `.meta.json` sidecar for data that has none (Megatron-LM's and NeoX's
 tools write only .bin/.idx): the token-id range, the counts and the crc32 of every 16 MiB of the
@@ -35,6 +37,7 @@ from megatron_id.atomic import write_atomic_text
 from megatron_id.data.indexed_dataset import (
     META_FORMAT,
     IndexedDataset,
+    KnownTokenizer,
     matching_meta,
     meta_path,
     read_meta,
@@ -43,7 +46,13 @@ from megatron_id.data.indexed_dataset import (
     token_id_report,
     verify_bin,
 )
-from megatron_id.data.tokenizer import MISMATCH_FLAG, check_same_tokenizer, load_tokenizer, tokenizer_identity
+from megatron_id.data.tokenizer import (
+    MISMATCH_FLAG,
+    check_same_tokenizer,
+    load_tokenizer,
+    tokenizer_file,
+    tokenizer_identity,
+)
 from megatron_id.errors import UserError, run_guarded
 
 
@@ -99,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(MISMATCH_FLAG, action="store_true",
                    help="decode with a --tokenizer other than the one the sidecar records, on purpose")
     p.add_argument("--check", action="store_true",
-                   help="verify offsets, document index and every token id; exit 1 when broken")
+                   help="verify offsets, document index and every token id (against --vocab-size and the "
+                        "tokenizer's size: --tokenizer, else the sidecar's); exit 1 when broken")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="with --check: also fail when an id is >= this (the model's vocab_size); with "
                         "--write-meta: the vocabulary size to record")
@@ -180,10 +190,21 @@ def main(argv=None, debug: bool = False) -> int:
             ids = ds[n].tolist()
             print(f"\n--- document {n} ({len(ids)} tokens) ---")
             print(tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ids)
+            size = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer else None
+            beyond = sorted({i for i in ids if i >= size}) if size else []
+            if beyond:   # the tokenizer's decode leaves them out of the text without a word
+                count = sum(i >= size for i in ids)
+                _warn(f"document {n} holds {count:,} id{'s' if count > 1 else ''} that --tokenizer {args.tokenizer} "
+                      f"({size:,} tokens) cannot decode ({', '.join(map(str, beyond[:4]))}"
+                      f"{', ...' if len(beyond) > 4 else ''}): left out of the text above. --check says more.")
         if not args.check:
             return 0
         problems = ds.check()
-        info, id_problems = token_id_report(ds, args.vocab_size, scan=True, what="--vocab-size")
+        known = None if tokenizer is None else KnownTokenizer(
+            f"--tokenizer {args.tokenizer}", tokenizer.get_vocab_size(with_added_tokens=True),
+            str(tokenizer_file(args.tokenizer)))
+        info, id_problems = token_id_report(ds, args.vocab_size, scan=True, what="--vocab-size", tokenizer=known,
+                                            tokenizer_option="--tokenizer")
         problems += id_problems
         if not id_problems:   # (a range already wrong says enough)
             problems += verify_bin(ds, full=True)

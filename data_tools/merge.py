@@ -7,7 +7,8 @@ and inputs whose sidecars record different tokenizers (by identity, else by voca
 --allow-tokenizer-mismatch merges them with a warning). Writes the .meta.json sidecar beside
 the pair: the id range over all inputs (read while copying, so inputs need no sidecar), the
 largest vocabulary size the inputs' sidecars record, and their tokenizer, its identity and the
-end-of-document id when every input records the same.
+end-of-document id when every input records the same. An input whose ids reach that vocabulary
+(one without a sidecar made by another tokenizer, or damaged) is refused, nothing written.
 Temporary files of killed merges into the same output are removed at the start.
 """
 from __future__ import annotations
@@ -70,6 +71,28 @@ def _check_tokenizers(inputs, metas, allow: bool, warn) -> bool:
     return False
 
 
+def _check_ids_fit(writer, given, meta, inputs, metas, allow: bool, warn) -> None:
+    """An input (without a sidecar, as Megatron's tools write them, or with a damaged .bin) whose
+    ids reach the vocabulary the other inputs' sidecars record: its ids are another tokenizer's,
+    or damage, and the merged sidecar would record ids above its own vocabulary. Refused, or
+    with --allow-tokenizer-mismatch merged with the vocabulary and tokenizer left unrecorded."""
+    vocab = writer.vocab_size
+    if vocab is None or writer.max_token_id is None or writer.max_token_id < vocab:
+        return
+    recorded = [str(g) for g, m in zip(inputs, metas) if m is not None and m.get("vocab_size") == vocab]
+    whose = f"the sidecar of {recorded[0]} records" if len(recorded) == 1 else \
+        f"the sidecars of {', '.join(recorded)} record"
+    how = "it has no sidecar" if meta is None else "its sidecar records a smaller vocabulary or none"
+    message = (f"input {given} holds token id {writer.max_token_id:,}, but {whose} a tokenizer of {vocab:,} tokens "
+               f"({how}): its ids are another tokenizer's, or it is damaged")
+    if not allow:
+        raise MergeError(f"{message}. Nothing was written. python -m data_tools.inspect {given} --check shows its "
+                         f"ids; merge only data of one tokenizer, or pass {MISMATCH_FLAG} to merge them on purpose "
+                         f"(the merged sidecar then records no tokenizer).")
+    warn(f"{message} (mixed on purpose: allowed; the merged sidecar records no vocabulary or tokenizer)")
+    writer.vocab_size = writer.tokenizer = writer.tokenizer_id = None
+
+
 def merge_datasets(inputs, output, overwrite: bool = False, warn=None,
                    allow_tokenizer_mismatch: bool = False) -> int:
     """Write the concatenation of the datasets `inputs` to `output` (a prefix); returns the
@@ -122,8 +145,9 @@ def merge_datasets(inputs, output, overwrite: bool = False, warn=None,
     writer = None
     try:
         writer = IndexedDatasetWriter(output, datasets[0].dtype, **writer_meta)
-        for d in datasets:
+        for given, d, meta in zip(inputs, datasets, metas):
             writer.append(d)
+            _check_ids_fit(writer, given, meta, inputs, metas, allow_tokenizer_mismatch, warn)
         writer.finalize()
     except BaseException:
         if writer is not None:

@@ -34,6 +34,9 @@ class Skip:
     source: str
     line: int
     reason: str
+    # a line that is not UTF-8 but reads as a JSON object in an 8-bit encoding: (iconv's name of
+    # that encoding, a few words around its first non-ASCII letter read that way)
+    legacy: tuple[str, str] | None = None
 
 
 class InputError(UserError, ValueError):
@@ -158,6 +161,115 @@ def not_a_document(path: Path) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- encodings other than UTF-8
+
+LEGACY_NAMES = {"latin1": "Latin-1 (ISO-8859-1)", "cp1252": "Windows-1252 (cp1252, Latin-1 with quotes and dashes)"}
+
+
+def legacy_encoding(raw: bytes, array: bool = False) -> tuple[str, str] | None:
+    """(iconv name, excerpt) when bytes that are not UTF-8 read as a JSON object (`array`: a
+    JSON array) in an 8-bit Latin encoding: JSON's own characters are ASCII, so a document written
+    in Latin-1 or cp1252 fails only on its accented letters. cp1252 when the bytes use 0x80-0x9f,
+    which it gives quotes, dashes and the euro sign (in Latin-1 they are control codes), else
+    Latin-1 (the two agree on every other byte). None for bytes that do not read as JSON either
+    (damage, binary): those stay ordinary bad lines."""
+    c1 = any(0x80 <= b <= 0x9f for b in raw)
+    encoding = "cp1252" if c1 else "latin1"
+    try:
+        text = raw.decode(encoding)
+    except UnicodeDecodeError:   # bytes cp1252 leaves undefined (0x81, 0x8d, ...): Latin-1's control codes
+        encoding, text = "latin1", raw.decode("latin1")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, list if array else dict):
+        return None
+    return encoding, _excerpt(value) or _excerpt(text)
+
+
+def _excerpt(value) -> str | None:
+    """A few words around the first non-ASCII character of the first string in `value` (a
+    string, or the strings of a JSON value) that has one."""
+    if isinstance(value, str):
+        at = next((k for k, ch in enumerate(value) if ord(ch) > 127), None)
+        if at is None:
+            return None
+        start = value.rfind(" ", 0, max(0, at - 20)) + 1
+        return " ".join(value[start:start + 60].split())
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for item in items for found in [_excerpt(item)] if found), None)
+
+
+def converted_name(path: Path) -> Path:
+    """a.jsonl -> a.utf8.jsonl, b.jsonl.gz -> b.utf8.jsonl.gz: where the converted copy goes."""
+    name = path.name
+    suffix = next((s for s in sorted(JSONL_SUFFIXES, key=len, reverse=True) if name.lower().endswith(s)), "")
+    stem = name[: len(name) - len(suffix)] if suffix else name
+    return path.with_name(f"{stem}.utf8{suffix or '.jsonl'}")
+
+
+def iconv_command(path: Path, encoding: str) -> str:
+    """The shell line that writes a UTF-8 copy of `path` (compressed inputs through their tool)."""
+    out = converted_name(path)
+    convert = f"iconv -f {encoding} -t utf-8"
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return f"gzip -dc {path} | {convert} | gzip > {out}"
+    if name.endswith(".zst"):
+        return f"zstd -dc {path} | {convert} | zstd > {out}"
+    return f"{convert} {path} > {out}"
+
+
+def legacy_advice(path: Path, encoding: str, excerpt: str) -> str:
+    """What a file in an 8-bit Latin encoding reads as, and the conversion."""
+    return (f"it reads as {LEGACY_NAMES[encoding]} text ('{excerpt}' read that way). Convert it: "
+            f"{iconv_command(Path(path), encoding)}, and give {converted_name(Path(path))} to --input (if the "
+            f"excerpt reads wrong, the file is in another encoding: name that one to iconv -f)")
+
+
+UTF16_MARKS = [(b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"),
+               (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16")]
+COMPRESSION_MAGIC = {".gz": (b"\x1f\x8b", "gzip"), ".zst": (b"\x28\xb5\x2f\xfd", "zstd")}
+
+
+def check_input_files(files) -> None:
+    """Before any work, refuse JSON-lines inputs that could not yield one document: a .gz/.zst
+    that is not compressed that way, and UTF-16/UTF-32 text (every line would be skipped as
+    malformed; with other inputs the run would end with exit 0 and the file's documents gone).
+    Each is one InputError naming the file and the conversion. Costs one small read per file."""
+    for path in map(Path, files):
+        if not path.is_file() or _kind(path) != "jsonl":
+            continue
+        name = path.name.lower()
+        for suffix, (magic, tool) in COMPRESSION_MAGIC.items():
+            if name.endswith(suffix):
+                with open(path, "rb") as f:
+                    head = f.read(len(magic))
+                if head and head != magic:
+                    plain = head.lstrip()[:1] in (b"{", b"[")
+                    raise InputError(
+                        f"input {path} is named {suffix} but is not {tool}-compressed (it starts with {head!r}"
+                        f"{': plain JSON text' if plain else ''}). Rename it to what it is"
+                        f"{f' (e.g. {path.name[: -len(suffix)]})' if plain else ''}, or compress it with {tool}.")
+        counter: list = []
+        try:
+            with _open_binary(path, counter) as f:
+                head = f.read(64)
+        except _stream_errors():
+            continue   # read again in the run, which names how far it got
+        for mark, encoding in UTF16_MARKS:
+            if head.startswith(mark):
+                raise InputError(f"input {path} is {encoding.upper()} text (it starts with a byte-order mark), not "
+                                 f"UTF-8: no line of it can be read. Convert it: {iconv_command(path, encoding)}, "
+                                 f"and give {converted_name(path)} to --input.")
+        if b"\x00" in head:   # ASCII in UTF-16 without a mark: every other byte is zero
+            encoding = "utf-16le" if head[1::2].count(0) > len(head) // 4 else "utf-16be"
+            raise InputError(f"input {path} holds zero bytes (UTF-16 text without a byte-order mark?), not UTF-8 "
+                             f"JSON lines: no line of it can be read. If it is UTF-16, convert it: "
+                             f"{iconv_command(path, encoding)}, and give {converted_name(path)} to --input.")
+
+
 def is_hf_dataset_folder(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() \
         or (path / "state.json").is_file()
@@ -279,25 +391,35 @@ def _iter_jsonl_lines(path: Path, counter: list, lines: list):
     with _open_binary(path, counter) as f:
         first = f.peek(64)[:64].removeprefix(BOM).lstrip() if hasattr(f, "peek") else b""
         if first.startswith(b"["):   # a JSON array file: loaded whole (jsonl streams)
+            # one unreadable array loses every document of the file: an error, not one skipped line
+            data = f.read().removeprefix(BOM)
             try:
-                rows = json.loads(f.read().decode("utf-8-sig"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                yield Skip(str(path), 1, f"unreadable JSON array ({err})")
-                return
+                rows = json.loads(data.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                legacy = legacy_encoding(data, array=True)
+                raise InputError(f"input {path} is a JSON array that is not UTF-8 ({err}), so none of its documents "
+                                 f"can be read" + (f": {legacy_advice(path, *legacy)}" if legacy else
+                                                   ". Save it as UTF-8 (iconv -f <its encoding> -t utf-8).")) from None
+            except json.JSONDecodeError as err:
+                raise InputError(f"input {path} starts a JSON array but is not valid JSON ({err}), so none of its "
+                                 f"documents can be read: the file is cut short or damaged. Re-create it, or write "
+                                 f"it as JSON lines (one object per line: a bad line then costs one document).") \
+                    from None
             for i, row in enumerate(rows, start=1):
                 yield Record(str(path), i, row) if isinstance(row, dict) else \
                     Skip(str(path), i, "not a JSON object")
             return
         for i, raw in enumerate(f, start=1):
             lines[0] = i
-            if i == 1:
-                raw = raw.removeprefix(BOM)
+            # every line, not only the first: files saved by Windows editors and joined with cat
+            # keep their marks at the start of the lines where each file began
+            raw = raw.removeprefix(BOM)
             if not raw.strip():
                 continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
-                yield Skip(str(path), i, "not UTF-8")
+                yield Skip(str(path), i, "not UTF-8", legacy_encoding(raw))
                 continue
             del raw   # one huge line: keep only one copy of it alive at a time
             try:

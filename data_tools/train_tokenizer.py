@@ -9,6 +9,7 @@ name and renamed when complete.
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from megatron_id.data.indexed_dataset import remove_stale_temps, temp_path
 from megatron_id.errors import UserError, run_guarded
 
 from .outputs import check_outputs, make_folder, remove_folders, report_stale
-from .readers import TEXT_SUFFIXES, Record, expand_inputs, iter_documents
+from .readers import TEXT_SUFFIXES, Record, check_input_files, expand_inputs, iter_documents
 
 EOD = "<|endoftext|>"
 MIN_VOCAB = 258   # 256 byte tokens + EOD + at least one merge
@@ -27,16 +28,16 @@ class TrainTokenizerError(UserError, ValueError):
     pass
 
 
-def _texts(files, keys, counted: list | None = None):
+def _texts(files, keys, counted: list | None = None, skipped: collections.Counter | None = None):
     """The texts of `files`; `counted` (when given) gets the number of characters read added to
-    its first item."""
-    for text in _all_texts(files, keys):
+    its first item, `skipped` the reasons of the JSON lines that gave no text."""
+    for text in _all_texts(files, keys, skipped if skipped is not None else collections.Counter()):
         if counted is not None:
             counted[0] += len(text)
         yield text
 
 
-def _all_texts(files, keys):
+def _all_texts(files, keys, skipped: collections.Counter):
     for path in files:
         if path.name.lower().endswith(TEXT_SUFFIXES):
             with open(path, encoding="utf-8-sig", errors="replace") as f:   # a BOM is not text
@@ -45,9 +46,12 @@ def _all_texts(files, keys):
             for item in iter_documents([path], columns=keys):
                 if isinstance(item, Record):
                     yield from (item.data[k] for k in keys if isinstance(item.data.get(k), str))
+                else:   # counted, said at the end
+                    skipped[item.reason] += 1
 
 
-def train(files, vocab_size: int, keys=("text",), min_frequency: int = 2, counted: list | None = None):
+def train(files, vocab_size: int, keys=("text",), min_frequency: int = 2, counted: list | None = None,
+          skipped: collections.Counter | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,7 +59,7 @@ def train(files, vocab_size: int, keys=("text",), min_frequency: int = 2, counte
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=[EOD],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_texts(files, keys, counted), trainer=trainer)
+    tok.train_from_iterator(_texts(files, keys, counted, skipped), trainer=trainer)
     return tok
 
 
@@ -82,11 +86,15 @@ def main(argv=None, debug: bool = False) -> int:
         out = Path(args.output)
         notes: list[str] = []
         files = expand_inputs(args.input, allow_text=True, notes=notes)
+        check_input_files(files)   # UTF-16 JSON lines, a .gz that is not gzip: refused before training
         for note in notes:
             print(f"train_tokenizer: note: {note}", file=sys.stderr)
         check_outputs([out], "--output", out, args.overwrite)   # before the (long) training
-        counted = [0]
-        tok = train(files, args.vocab_size, args.json_keys, args.min_frequency, counted)
+        counted, skipped = [0], collections.Counter()
+        tok = train(files, args.vocab_size, args.json_keys, args.min_frequency, counted, skipped)
+        if skipped:   # lines that gave no text: counted, as preprocess counts them
+            print(f"train_tokenizer: note: {sum(skipped.values()):,} JSON lines skipped: "
+                  + ", ".join(f"{n:,} {reason}" for reason, n in skipped.most_common()), file=sys.stderr)
         if tok.get_vocab_size() <= MIN_VOCAB - 1:   # nothing but the alphabet: no text was read
             raise TrainTokenizerError(f"no text to learn from in {', '.join(map(str, files[:3]))}"
                                       f"{', ...' if len(files) > 3 else ''}: the inputs are empty or "

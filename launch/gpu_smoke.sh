@@ -74,7 +74,7 @@ step preprocess "$PYTHON" -m data_tools.preprocess --input tests/data/fineweb-ed
 step train "$PYTHON" "${TRAIN[@]}" "train.train_tokens=$((4 * TOKENS_PER_STEP))"
 check_latest() { [[ "$(cat "$OUT/checkpoints/latest")" == "$1" ]]; }
 step train-checkpoint check_latest iter_0000004
-step resume "$PYTHON" "${TRAIN[@]}" "train.train_tokens=$((6 * TOKENS_PER_STEP))"
+step resume "$PYTHON" "${TRAIN[@]}" "train.train_tokens=$((6 * TOKENS_PER_STEP))" train.override_scheduler=true
 resumed() { grep -q "steps 5-6" "$OUT/resume.log" && check_latest iter_0000006; }
 step resume-continues-at-step-5 resumed
 step check-checkpoint "$PYTHON" -m megatron_id.cli check-checkpoint "$OUT/checkpoints" --all

@@ -30,7 +30,7 @@ done
 # a second run into the same folder would meet the first one's data and checkpoints (and
 # preprocess's advice to pass --overwrite, which this script does not take)
 if [[ -d "$OUT" && -n "$(ls -A "$OUT" 2>/dev/null)" ]]; then
-    echo "quickstart: $OUT already holds a run: give a new OUTPUT_DIR (or none, for a dated one); to train that run further, add train.load=$OUT/checkpoints and a larger train.train_tokens to its train command (README, Quickstart)" >&2
+    echo "quickstart: $OUT already holds a run: give a new OUTPUT_DIR (or none, for a dated one); to train that run further, add train.load=$OUT/checkpoints, a larger train.train_tokens and train.override_scheduler=true (the cosine decay moves) to its train command (README, Quickstart)" >&2
     exit 2
 fi
 PYTHON="${PYTHON:-python3}"
@@ -98,6 +98,6 @@ echo "[quickstart] done."
 echo "  log:          $OUT/train.log"
 echo "  TensorBoard:  tensorboard --logdir $OUT/tensorboard"
 echo "  checkpoint:   $OUT/checkpoints/$latest"
-echo "  resume:       add train.load=$OUT/checkpoints (and a larger train.train_tokens) to the command"
+echo "  resume:       add train.load=$OUT/checkpoints (and a larger train.train_tokens with train.override_scheduler=true) to the command"
 echo "  generate:     $PYTHON -m megatron_id.cli generate --checkpoint $OUT/checkpoints --prompt 'The water cycle'"
 echo "  export:       $PYTHON -m megatron_id.cli export-hf --checkpoint $OUT/checkpoints --output $OUT/hf"

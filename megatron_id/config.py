@@ -92,12 +92,15 @@ class DataConfig:
     reset_attention_mask: bool = False       # no token reads another document (state, convs, attention)
     reset_position_ids: bool = False         # RoPE positions restart in every document
     eod_mask_loss: bool = False              # no loss for the token after an end-of-document token
-    eod_token_id: Optional[int] = None       # None: the data's own (its .meta.json sidecar)
+    # None: the data's own (its .meta.json sidecar); a given id must be the sidecar's, or (data without
+    # one) end the data's documents
+    eod_token_id: Optional[int] = None
     # each micro-batch row reads consecutive windows of the same documents, step after step, and
     # every fixed-state layer's state (and conv tail) at the end of one window enters the next
     # (truncated backpropagation through time; training/carry.py). Implies reset_attention_mask
     # and reset_position_ids: a document's state and positions run on across windows and restart
-    # at its start. Interdomain / S4D layers only; not with pipeline or context parallelism yet
+    # at its start. Interdomain / S4D layers only; TP, DP, ZeRO and context parallelism, not
+    # pipeline parallelism. A resume keeps it as the checkpoint had it (train.load_carried_state)
     carry_state: bool = False
     # held-out sets evaluated beside the split's validation at every train.eval_interval, each a
     # data path (a prefix, or weight/prefix pairs) read whole, logged as valid/<name>/loss
@@ -216,13 +219,19 @@ class TrainConfig:
     # only to float rounding, and on that CPU it gained 0-14% (benchmarks/training.py --compile)
     # but lost ~20% while other processes shared the cores]
     compile: bool = False
-    log_interval: int = 10            # steps between log lines and scalars
+    log_interval: int = 10            # steps between console lines (a run's first and last step print one too)
     eval_interval: int = 1000         # steps between validations
     eval_iters: int = 10              # global batches per validation (0: none)
     save_interval: int = 1000         # steps between checkpoints (and one at the end)
     save: Optional[str] = None        # checkpoint folder
     load: Optional[str] = None        # checkpoint folder to resume from
     load_optimizer: bool = True       # false: weights only, Adam starts afresh
+    # a resume continues its checkpoint's schedule (optimizer.lr, min_lr, warmup_tokens, schedule,
+    # decay_fraction, decay_shape, ssm_lr_max, train.train_tokens) and AdamW settings (weight_decay,
+    # betas, eps): one that changes any of them is refused naming each; true applies this run's
+    # values from the resumed step on, each change said in the log (Megatron's
+    # --override-opt_param-scheduler). Not checked with train.load_optimizer=false or train.finetune
+    override_scheduler: bool = False
     # false: checkpoints hold the weights, step, data position and RNG but no optimizer state
     # (Megatron's --no-save-optim, NeoX's no_save_optim): 1/3 of the disk of an fp32 ZeRO
     # checkpoint. Such a checkpoint past step 0 loads with train.load_optimizer=false (Adam
@@ -259,8 +268,8 @@ class TrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # where each logged step's time went (data wait, forward, backward incl. gradient reduction,
-    # optimizer): a log line and train/time_* scalars at train.log_interval; on CUDA it
-    # synchronises the device between phases on those steps only
+    # optimizer): a log line and train/time_* scalars on the logged steps (train.log_interval); on
+    # CUDA it synchronises the device between phases on those steps only
     timing_breakdown: bool = True
     # checkpoints: copy to host memory, then write in the background (the same staging, manifest
     # and `latest` protocol; the next save, and the end of the run, wait for it)
@@ -270,6 +279,11 @@ class TrainConfig:
     # between steps it always stops). Same function as one window of seq_length; a knob of the
     # state's gradient reach against the window the core sees at once
     carry_grad_windows: int = 1
+    # false: a resume starts every row's carried state from zero (data.carry_state), on purpose.
+    # Needed to resume when the rows cannot continue as saved: data.carry_state other than the
+    # checkpoint's (the state dropped, or rows from zero, and the data order changes), another
+    # TP / DP / micro-batch layout, another train.train_tokens (other streams); refused otherwise
+    load_carried_state: bool = True
     # at the end of a run that reached train_iters: export the last checkpoint to this Hugging
     # Face folder (the rules of megatron-id export-hf; needs train.save and data.tokenizer)
     export_hf_at_end: Optional[str] = None
@@ -750,3 +764,35 @@ def _check_ranges(cfg: Config) -> None:
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# ------------------------------------------------------------ sizes on the command line
+
+GiB = 1024 ** 3
+
+
+def parse_size(text: str, option: str = "memory size", allow_zero: bool = False) -> float:
+    """'80GiB', '80GB', '80G' (binary), '81920MiB', '1024B' -> bytes (here, not in training/plan.py:
+    `megatron-id plan` checks its options before it imports torch). A bare number is refused:
+    '80' is 80 GiB to the user who typed it and 80 bytes to a parser, so neither is guessed."""
+    units = {"tib": 1024 ** 4, "tb": 1024 ** 4, "t": 1024 ** 4, "gib": GiB, "gb": GiB, "g": GiB,
+             "mib": 1024 ** 2, "mb": 1024 ** 2, "m": 1024 ** 2, "b": 1}
+    s = text.strip().lower()
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value == 0 and not unit and allow_zero:   # a bare 0 is 0 in any unit
+        return 0.0
+    out_of_range = value is not None and (value < 0 or (value == 0 and not allow_zero))
+    if value is not None and not unit and not out_of_range:   # (a bare 0 once got the advice "Write 0GiB")
+        raise ConfigError(f"{option} '{text}' has no unit: {number} what? Write {number}GiB (or {number}GB, "
+                          f"{number}MiB).")
+    if (unit and unit not in units) or value is None or value != value or value == float("inf"):
+        raise ConfigError(f"{option} '{text}' is not understood; write e.g. 80GiB or 81920MiB.")
+    if out_of_range:
+        raise ConfigError(f"{option} '{text}' must be {'at least 0' if allow_zero else 'more than 0'} "
+                          f"(e.g. 80GiB).")
+    return value * units[unit]

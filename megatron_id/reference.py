@@ -90,6 +90,7 @@ PEER_FLAGS = {
     "train.save": ("--save", "save"),
     "train.load": ("--load", "load"),
     "train.load_optimizer": ("--no-load-optim (inverse)", "no_load_optim (inverse)"),
+    "train.override_scheduler": ("--override-opt_param-scheduler", "override_lr_scheduler"),
     "train.save_optimizer": ("--no-save-optim (inverse)", "no_save_optim (inverse)"),
     "train.extra_save_steps": ("-", "extra_save_iters"),
     "train.keep_last": ("-", "keep_last_n_checkpoints"),
@@ -109,6 +110,128 @@ PEER_FLAGS = {
     "train.async_save": ("--async-save", "-"),
     "seed": ("--seed", "seed"),
 }
+
+
+# ---------------------------------------------------------------- a peer's flags typed on our command line
+
+# Megatron-LM flags whose key here takes another unit or form than PEER_FLAGS' row says, and common
+# ones without a row: flag -> (whether it takes a value, the override to write instead; {v}: its value)
+MEGATRON_FLAGS = {
+    "--train-iters": (True, "train.train_tokens=<{v} x train.global_batch_size x model.seq_length>"),
+    "--train-samples": (True, "train.train_tokens=<{v} x model.seq_length>"),
+    "--lr-warmup-iters": (True, "optimizer.warmup_tokens=<{v} x train.global_batch_size x model.seq_length>"),
+    "--lr-warmup-samples": (True, "optimizer.warmup_tokens=<{v} x model.seq_length>"),
+    "--lr-warmup-fraction": (True, "optimizer.warmup_tokens=<{v} x train.train_tokens>"),
+    "--lr-decay-iters": (True, "no key: the decay ends at train.train_tokens"),
+    "--lr-decay-samples": (True, "no key: the decay ends at train.train_tokens"),
+    "--lr-wsd-decay-iters": (True, "optimizer.decay_fraction=<{v} / the run's steps>"),
+    "--lr-wsd-decay-samples": (True, "optimizer.decay_fraction=<{v} / the run's samples>"),
+    "--bf16": (False, "train.precision=bf16"),
+    "--fp16": (False, "no fp16 here: train.precision=bf16 or fp32"),
+    "--use-distributed-optimizer": (False, "train.zero_stage=1"),
+    "--recompute-granularity": (True, "train.activation_checkpointing=true"),
+    "--recompute-activations": (False, "train.activation_checkpointing=true"),
+    "--num-query-groups": (True, "model.n_kv_heads={v}"),
+    "--group-query-attention": (False, "model.n_kv_heads=<the number of groups> alone"),
+    "--mamba-state-dim": (True, "model.state_size={v}"),
+    "--valid-data-path": (True, "data.valid_sets.<name>=[{v}]"),
+    "--profile": (False, "train.profile.dir=<a folder>"),
+    "--profile-step-end": (True, "train.profile.steps=<{v} - train.profile.start_step + 1>"),
+    "--timing-log-level": (True, "train.timing_breakdown=true"),
+    "--finetune": (False, "train.finetune=true"),
+    "--vocab-file": (True, "data.tokenizer=<its tokenizer.json>"),
+    "--merge-file": (True, "data.tokenizer=<its tokenizer.json>"),
+    "--tokenizer-type": (True, "data.tokenizer=<its tokenizer.json>"),
+}
+# GPT-NeoX keys (and Megatron's argument names) typed as key=value whose PEER_FLAGS row has a note
+NEOX_KEYS = {
+    "train_iters": "train.train_tokens=<{v} x train.global_batch_size x model.seq_length>",
+    "warmup": "optimizer.warmup_tokens=<{v} x train.train_tokens>",
+    "no_weight_tying": "model.tie_embeddings=<the opposite of {v}>",
+    "no_load_optim": "train.load_optimizer=<the opposite of {v}>",
+    "no_save_optim": "train.save_optimizer=<the opposite of {v}>",
+}
+CONFIG_PAGE = "docs/reference/config.md"
+
+
+def _default_of(key: str):
+    node = config_module.Config()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def megatron_flags() -> dict[str, tuple[bool, str]]:
+    """Every Megatron-LM flag with a key here: flag -> (takes a value, the override to write)."""
+    out = {}
+    for key, (megatron, _) in PEER_FLAGS.items():
+        flag, _, note = megatron.partition(" ")
+        default = _default_of(key)
+        if not flag.startswith("--"):
+            continue
+        if note == "(inverse)":
+            out[flag] = (False, f"{key}=false")
+        elif not note and isinstance(default, bool):
+            out[flag] = (False, f"{key}=true")
+        elif not note:
+            out[flag] = (True, f"{key}=[{{v}}]" if isinstance(default, list) else f"{key}={{v}}")
+    return {**out, **MEGATRON_FLAGS}
+
+
+def _peer_names() -> dict[str, str]:
+    """Names a user may type as `name=value` from habit (Megatron's argument names, GPT-NeoX's
+    keys) -> the override to write; none of them is a top-level key here."""
+    names = {flag[2:].replace("-", "_"): text for flag, (_, text) in megatron_flags().items()}
+    for key, (_, neox) in PEER_FLAGS.items():
+        for name in neox.split(" / "):
+            if name and name != "-" and " " not in name and "." not in name:
+                names.setdefault(name, f"{key}={{v}}")
+    names.update(NEOX_KEYS)
+    return {k: v for k, v in names.items() if k not in {f.name for f in dataclasses.fields(config_module.Config)}}
+
+
+def flag_refusal(argv: list, unrecognized: list, command: str) -> str:
+    """The one line for flags a command that takes key=value overrides does not have: a peer's
+    flag is answered with the override to write, any other with where the keys are listed."""
+    known, hints, unknown = megatron_flags(), [], []
+    for token in unrecognized:
+        if not token.startswith("-"):
+            continue
+        flag, eq, value = token.partition("=")
+        takes, text = known.get(flag, (None, None))
+        if text is None:
+            unknown.append(token)
+            continue
+        if takes and not eq and token in argv:   # the value is the next word (argparse may have taken it)
+            at = argv.index(token)
+            following = []
+            for word in argv[at + 1:]:
+                if word.startswith("-") or "=" in word:
+                    break
+                following.append(word)
+            value = ",".join(following if "[{v}]" in text else following[:1])
+        shown = f"{flag} {value}".strip() if takes else flag
+        hints.append(f"{shown} -> {text.replace('{v}', value or '<value>')}")
+    out = []
+    if hints:
+        out.append(f"megatron-id {command} takes settings as key=value overrides, not Megatron-LM flags: "
+                   + "; ".join(hints))
+    if unknown:
+        out.append(f"unrecognized arguments: {' '.join(unknown)}: settings are key=value overrides (e.g. "
+                   f"optimizer.lr=3e-4), not flags; `megatron-id {command} --help` lists its flags")
+    return ". ".join(out) + f" ({CONFIG_PAGE} lists every key with its Megatron-LM flag and GPT-NeoX key)."
+
+
+def override_refusal(overrides: list) -> str | None:
+    """The one line for an override named as Megatron-LM or GPT-NeoX name it (`train_iters=10`,
+    `lr=3e-4`), which the schema would refuse as an unknown key without saying which key it is."""
+    names = _peer_names()
+    for item in overrides:
+        name, _, value = str(item).partition("=")
+        if name in names:
+            return (f"override '{item}': {name} is a Megatron-LM / GPT-NeoX name; here write "
+                    f"{names[name].replace('{v}', value or '<value>')} ({CONFIG_PAGE} maps every key).")
+    return None
 
 
 # ---------------------------------------------------------------- the config schema

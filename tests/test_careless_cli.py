@@ -2,6 +2,7 @@
 plan options, an override given twice (a warning), --config after the overrides, an empty `latest`, eval
 ranges and empty texts, quickstart's arguments, and a CPU run planned above the host's memory."""
 import os
+import re
 import subprocess
 
 import pytest
@@ -246,3 +247,111 @@ def test_the_study_scripts_refuse_an_out_that_is_a_file_or_holds_other_things(tm
                 mention=r"--out .* holds other files and no run of this script \(no state.json or logs/\)")
     refused(["launch.reproduce", "--study", "mqar", "--out", tmp_path / "new", "--report", tmp_path],
             unchanged=[tmp_path], mention=r"--report .* is a folder: give a file name")
+
+
+# ---------------------------------------------------------------- issue 52: a peer's flags and names
+
+@pytest.mark.parametrize("argv, said", [
+    (["--train-iters", "10", "--lr", "3e-4"],
+     "megatron-id train takes settings as key=value overrides, not Megatron-LM flags: --train-iters 10 -> "
+     "train.train_tokens=<10 x train.global_batch_size x model.seq_length>; --lr 3e-4 -> optimizer.lr=3e-4 "
+     "(docs/reference/config.md lists every key with its Megatron-LM flag and GPT-NeoX key)."),
+    (["model.d_model=128", "--lr=3e-4", "--bf16", "--no-load-optim"],
+     "--lr 3e-4 -> optimizer.lr=3e-4; --bf16 -> train.precision=bf16; --no-load-optim -> train.load_optimizer=false"),
+    (["--data-path", "0.7", "a_text_document", "0.3", "b_text_document", "--sequence-parallel"],
+     "--data-path 0.7,a_text_document,0.3,b_text_document -> data.data_path=[0.7,a_text_document,0.3,b_text_document]; "
+     "--sequence-parallel -> parallel.sequence_parallel=true"),
+    (["--override-opt_param-scheduler"], "--override-opt_param-scheduler -> train.override_scheduler=true"),
+    (["--bogus", "3"], "unrecognized arguments: --bogus: settings are key=value overrides (e.g. "
+                       "optimizer.lr=3e-4), not flags; `megatron-id train --help` lists its flags "
+                       "(docs/reference/config.md lists every key"),
+    (["train_iters=10"], "override 'train_iters=10': train_iters is a Megatron-LM / GPT-NeoX name; here write "
+                         "train.train_tokens=<10 x train.global_batch_size x model.seq_length>"),
+    (["lr=3e-4"], "override 'lr=3e-4': lr is a Megatron-LM / GPT-NeoX name; here write optimizer.lr=3e-4"),
+], ids=["train-iters-and-lr", "after-overrides", "data-path-pairs", "override-scheduler", "unknown-flag",
+        "neox-train_iters", "megatron-lr-name"])
+def test_a_megatron_flag_or_name_is_answered_with_the_key_to_write(argv, said, capsys):
+    """`megatron-id train --train-iters 10 --lr 3e-4` got argparse's usage block and 'unrecognized
+    arguments' (its 10 taken for an override), `train_iters=10` 'Did you mean train?'. Now one
+    line with the override to write for each, from the reference page's own table."""
+    from megatron_id.cli import main
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "--config", TINY, *argv])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "usage:" not in err and err.count("\n") == 1, err
+    assert err.startswith("megatron-id: error: ") and said in err, err
+
+
+def test_megatron_flags_on_the_command_line_are_one_line_before_any_work(tmp_path):
+    refused(["megatron_id.cli", "train", "--config", TINY, "--train-iters", "10", f"train.save={tmp_path / 'ck'}"],
+            mention=r"--train-iters 10 -> train.train_tokens=<10 x train.global_batch_size x model.seq_length>",
+            unchanged=[tmp_path])
+
+
+# ---------------------------------------------------------------- issue 52: megatron-id train, typed carelessly
+
+def test_a_tilde_path_and_an_unwritable_output_folder_are_refused_before_any_work(tmp_path, monkeypatch):
+    """`train.save=~/runs/x` reaches Python as it is (the shell expands ~ only at a word's start):
+    the run wrote its checkpoints into ./~/runs/x. A read-only train.tensorboard_dir failed after
+    the model was built, as 'No such file or directory' without the key."""
+    from file_systems import read_only_folder
+
+    from megatron_id.errors import UserError
+    from megatron_id.training.engine import check_paths
+    monkeypatch.chdir(tmp_path)
+    for item, key in (("train.save=~/runs/x", "train.save"), ("data.data_path=[~/data/corpus]", "data.data_path")):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)}(\[0\])?=~/.*: ~ is not expanded here \(the shell "
+                                              rf"expands it only at the start of a word, not after key=\), so this "
+                                              rf"would be a folder named '~' in {tmp_path}: write {key}=\$HOME/"):
+            check_paths(load_config([TINY], [item]))
+    assert not list(tmp_path.iterdir())
+    with read_only_folder(tmp_path / "ro") as real:
+        if not real:
+            pytest.skip("no read-only folder can be made here")
+        with pytest.raises(UserError, match=r"train.tensorboard_dir .*ro/tb: cannot write there \(its folder "
+                                              r".*ro\): (the file system is read-only|permission denied)"):
+            check_paths(load_config([TINY], [f"train.tensorboard_dir={tmp_path / 'ro' / 'tb'}"]))
+
+
+def test_an_empty_train_load_from_an_unset_variable_is_refused(capsys):
+    """`train.load=$CKPT` with CKPT unset arrives as `train.load=`, which the schema reads as
+    unset: a job meant to resume started again from step 1 (and `train.save=` trained without
+    saving anything). Refused before any import of torch."""
+    from megatron_id.cli import main
+    assert main(["train", "--config", TINY, "train.load="]) == 2
+    assert capsys.readouterr().err == ("megatron-id: error: override 'train.load=' has an empty value (an unset shell "
+                                       "variable?), so train.load would be unset: the run would start from step 1 "
+                                       "instead of resuming. Give its value, or leave the override out (or write "
+                                       "train.load=null) to leave it unset on purpose.\n")
+    assert main(["train", "--config", TINY, "train.save="]) == 2
+    assert "no checkpoint would be saved" in capsys.readouterr().err
+
+
+def test_a_hugging_face_folder_as_train_load_names_import_hf(tmp_path):
+    from megatron_id.checkpoint.rules import check_save_and_load
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"train.load={hf} is a Hugging Face folder \(it holds config.json\), not a "
+                                          rf"train.save folder: import it first \(megatron-id import-hf --input {hf} "
+                                          rf"--output {tmp_path}/hf-imported\), then train from "
+                                          rf"train.load={tmp_path}/hf-imported"):
+        check_save_and_load(str(tmp_path / "ckpt"), str(hf))
+
+
+def test_a_resume_with_another_seed_or_data_says_the_order_changes(tmp_path):
+    """Resumed with another seed (or data path, or split), the run read another shuffle from step
+    x batch on without a word: samples seen again, others never. Said, not refused (a new shuffle
+    past a loss spike, an annealing mix are done on purpose)."""
+    from megatron_id.checkpoint.files import ClientState, write_client_state
+    from megatron_id.training.engine import resume_data_changes
+    folder = tmp_path / "ckpt" / "iter_0000004"
+    folder.mkdir(parents=True)
+    write_client_state(folder, ClientState(step=4, model={}, consumed_samples=32, data={
+        "data_path": ["data/fineweb_text_document"], "split": "95,5,0", "seed": 42}))
+    same = ["data.data_path=[/elsewhere/data/fineweb_text_document]", "data.split=95,5,0"]   # another folder: the same
+    assert resume_data_changes(folder, load_config([TINY], same)) == []
+    (line,) = resume_data_changes(folder, load_config([TINY], [*same, "seed=7", "data.split=90,10,0"]))
+    assert line == ("warning: iter_0000004 was trained with other data settings (seed=42 -> 7, data.split=95,5,0 -> "
+                    "90,10,0): the run goes on 32 samples into the new data order, so samples already trained on may "
+                    "come again and others never; resume with the checkpoint's settings to continue its order.")

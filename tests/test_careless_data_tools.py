@@ -10,6 +10,15 @@ be wrong, the run goes on and a warning or note line says what was dropped, with
   - preprocess reads a file reached twice once, never reads its own outputs or tokenizer and
     config files in an input folder, refuses a repeated --json-keys key, accepts a UTF-8 BOM;
   - train_tokenizer says when the corpus gave fewer tokens than --vocab-size asked.
+Issue 52 (round 4):
+  - ids at or above the tokenizer's size (data.tokenizer, inspect --tokenizer, the sidecar's) are
+    refused whatever model.vocab_size says, the likely causes first; merge refuses an input whose
+    ids reach the recorded vocabulary; a vocab.json given as a tokenizer.json is named so;
+  - a file in Latin-1/cp1252 is refused with the iconv line (--skip-non-utf8 to skip its lines);
+    UTF-16, a .gz that is not gzip, and JSON arrays that cannot be read are refused before any
+    work; UTF-8 marks inside a file (joined with cat) are not bad documents;
+  - an --output-prefix ending in _text_document, and a data path naming a .jsonl, a folder or the
+    sidecar, get the prefix meant.
 """
 import json
 import os
@@ -300,3 +309,217 @@ def test_merge_refuses_an_output_prefix_that_names_a_folder(data, tmp_path):
     assert not (tmp_path / "data" / ".bin").exists()
     done = run_module(MERGE, [tmp_path / "data" / "merged", pair])   # the prefix it suggested works
     assert done.returncode == 0 and (tmp_path / "data" / "merged.bin").is_file(), done.stderr
+
+
+# ----------------------------------------------------------------- issue 52: ids the tokenizer cannot make
+# A Megatron-made .bin (no sidecar) with every 50th id overwritten by 60000 was refused with "set
+# model.vocab_size to at least 60001" first; doing so trained and saved with exit 0, although
+# data.tokenizer (GPT-2, 50,257 tokens) cannot produce id 60000. Ids at or above the tokenizer's
+# size are now refused whatever model.vocab_size is, with the likely causes first.
+
+def _damaged_megatron_made(data, folder: Path) -> Path:
+    prefix = copy_pair(data["gpt2"], folder, "mega_text_document")
+    meta_path(prefix).unlink()   # Megatron's tools write no sidecar
+    ids = np.memmap(f"{prefix}.bin", dtype=np.uint16, mode="r+")
+    ids[::50] = 60000
+    ids.flush()
+    del ids
+    return prefix
+
+
+def _check_run(prefix, tmp_path, *overrides):
+    from megatron_id.config import load_config
+    from megatron_id.training.engine import check_run
+    from megatron_id.training.layout import training_layout
+    cfg = load_config([ROOT / "configs" / "model" / "tiny.yaml"], [
+        f"data.data_path=[{prefix}]", f"data.index_cache_dir={tmp_path / 'cache'}", "train.check_host_memory=false",
+        *overrides])
+    return check_run(cfg, training_layout(cfg, 1), on_gpu=False)
+
+
+def test_ids_the_tokenizer_cannot_make_are_refused_whatever_model_vocab_size(data, tmp_path, capsys):
+    from megatron_id.data.gpt_dataset import DataConfigError
+    prefix = _damaged_megatron_made(data, tmp_path)
+    impossible = (r"mega_text_document\.bin holds token ids that data\.tokenizer=.*gpt2-tokenizer\.json cannot "
+                  r"produce: it has 50,257 tokens \(ids 0\.\.50,256\), and [\d,]+ of its [\d,]+ ids \(1 in 50; values "
+                  r"60,000 only\) are 50,257 or more, the first in document 0, token 0\. Either the data was made "
+                  r"with another tokenizer: set data\.tokenizer to the tokenizer that made it, or preprocess the text "
+                  r"again .*; or the \.bin is damaged: .*A larger model\.vocab_size would not help")
+    # GPT-2's padded table (50304) and the advice the old message gave first (60001): both refused
+    for vocab in (50304, 60001):
+        with pytest.raises(DataConfigError, match=impossible) as err:
+            _check_run(prefix, tmp_path, f"data.tokenizer={GPT2}", f"model.vocab_size={vocab}")
+        assert "set model.vocab_size to at least" not in str(err.value)
+    # no tokenizer known (no data.tokenizer, no sidecar): raising model.vocab_size is offered, last,
+    # with the caveat
+    with pytest.raises(DataConfigError, match=r"holds token id 60000 but model\.vocab_size=50304: [\d,]+ of its .* No "
+                                              r"tokenizer is known .*data\.tokenizer is not given.*either the data "
+                                              r"was made with a tokenizer of more than 50,304 tokens, then set "
+                                              r"data\.tokenizer to it.*or the \.bin is damaged.*Set model\.vocab_size "
+                                              r"to at least 60001 .* only when the tokenizer that made the data has "
+                                              r"that many tokens"):
+        _check_run(prefix, tmp_path, "model.vocab_size=50304")
+    # inspect --check --tokenizer applies the same rule (it passed before: no --vocab-size given)
+    capsys.readouterr()
+    assert inspect_tool.main([str(prefix), "--check", "--tokenizer", str(GPT2)]) == 1
+    assert re.search(r"inspect: error: .*mega_text_document\.bin holds token ids that --tokenizer "
+                     r".*gpt2-tokenizer\.json cannot produce: .*set --tokenizer to the tokenizer that made it",
+                     capsys.readouterr().err)
+    # --doc decodes what it can and says which ids the tokenizer left out (it said nothing)
+    assert inspect_tool.main([str(prefix), "--doc", "0", "--tokenizer", str(GPT2)]) == 0
+    assert re.search(r"inspect: warning: document 0 holds \d+ ids that --tokenizer .* \(50,257 tokens\) cannot decode "
+                     r"\(60000\): left out of the text above", capsys.readouterr().err)
+    # the data as preprocessed (no damage) passes with the padded table
+    clean = copy_pair(data["gpt2"], tmp_path / "clean", "clean_text_document")
+    meta_path(clean).unlink()
+    assert _check_run(clean, tmp_path, f"data.tokenizer={GPT2}", "model.vocab_size=50304")[2].vocab_size == 50257
+
+
+def test_merge_refuses_an_input_whose_ids_reach_the_recorded_vocabulary(data, tmp_path, capsys):
+    """It merged with exit 0 and a sidecar recording vocab_size 50257 beside max_token_id 60000."""
+    from data_tools.merge import main as merge_main
+    damaged = _damaged_megatron_made(data, tmp_path)
+    out = tmp_path / "out" / "merged"
+    assert merge_main([str(out), str(data["gpt2"]), str(damaged)]) == 2
+    assert re.search(r"merge: error: input .*mega_text_document holds token id 60,000, but the sidecar of "
+                     r".*gpt2_text_document records a tokenizer of 50,257 tokens \(it has no sidecar\): its ids are "
+                     r"another tokenizer's, or it is damaged\. Nothing was written\.", capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+    assert merge_main([str(out), str(data["gpt2"]), str(damaged), "--allow-tokenizer-mismatch"]) == 0
+    assert "(mixed on purpose: allowed; the merged sidecar records no vocabulary" in capsys.readouterr().err
+    assert (read_meta(out)["vocab_size"], read_meta(out)["max_token_id"]) == (None, 60000)
+
+
+def test_a_vocab_json_given_as_data_tokenizer_is_named_with_the_way_to_a_tokenizer_json(data, tmp_path):
+    from megatron_id.data.tokenizer import TokenizerError
+    spec = json.loads(GPT2.read_text())
+    (tmp_path / "vocab.json").write_text(json.dumps(spec["model"]["vocab"]))
+    merges = ["#version: 0.2"] + [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    (tmp_path / "merges.txt").write_text("\n".join(merges) + "\n")
+    for name, kind in (("vocab.json", r"a GPT-2 style vocab\.json \(token -> id, 50,257 tokens\)"),
+                       ("merges.txt", r"a GPT-2 style merges\.txt")):
+        with pytest.raises(TokenizerError, match=rf"data\.tokenizer=.*{name}: .* is not a valid HF tokenizer\.json: "
+                                                 rf"it is {kind}.*load_tokenizer\(vocab_file="):
+            _check_run(data["gpt2"], tmp_path, f"data.tokenizer={tmp_path / name}", "model.vocab_size=50304")
+
+
+# ----------------------------------------------------------------- issue 52: inputs in another encoding
+# A Latin-1 .jsonl lost its accented lines as "3 not UTF-8" with exit 0 and no hint.
+
+ACCENTED = ["Le café est très bon à Zürich.", "A plain line about the water cycle.", "Señor Muñoz visitó la ciudad.",
+            "Another plain line.", "naïve façade, déjà vu"]
+
+
+def accented_jsonl(texts=ACCENTED) -> str:
+    return "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts)
+
+
+def test_a_latin1_jsonl_is_refused_with_the_iconv_line_and_nothing_written(data, tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    latin1 = tmp_path / "in" / "docs.jsonl"
+    latin1.write_bytes(accented_jsonl().encode("latin-1"))   # what iconv -f utf-8 -t latin1 writes
+    out = tmp_path / "out" / "docs"
+    assert preprocess_main(preprocess_args([latin1, data["docs"]], out)) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"preprocess: error: input .*in/docs\.jsonl: 3 of its 5 lines are not UTF-8 but documents in "
+                        r"another encoding \(the first at line 1\), and skipping them would drop every document with "
+                        r"an accented letter: nothing was written\. It reads as Latin-1 \(ISO-8859-1\) text \('Le "
+                        r"café est très bon à Zürich\.' read that way\)\. Convert it: iconv -f latin1 -t utf-8 "
+                        r".*in/docs\.jsonl > .*in/docs\.utf8\.jsonl, and give .*docs\.utf8\.jsonl to --input .*; or "
+                        r"give --skip-non-utf8 to skip such lines \(counted\)\.", last), last
+    assert not (tmp_path / "out").exists()
+    # cp1252 (Windows quotes): named so, with -f cp1252; --strict says the same at the first line
+    windows = tmp_path / "in" / "quotes.jsonl"
+    windows.write_bytes(accented_jsonl(["He said \u201cmerci\u201d \u2013 très bien."]).encode("cp1252"))
+    assert preprocess_main(preprocess_args([windows], out, GPT2, "--strict")) == 2
+    assert re.search(r"quotes\.jsonl:1: not UTF-8: it reads as Windows-1252 \(cp1252.*\) text \('He said “merci” – "
+                     r"très bien\.' .*iconv -f cp1252 -t utf-8 .*\(run without --strict", capsys.readouterr().err)
+    # on purpose: skipped and counted, with the conversion in a note
+    assert preprocess_main(preprocess_args([latin1], out, GPT2, "--skip-non-utf8")) == 0
+    err = capsys.readouterr().err
+    assert "documents skipped: 3: 3 not UTF-8" in err and re.search(
+        r"note: input .*docs\.jsonl: 3 of its 5 lines .* skipped and counted as not UTF-8\. To keep them: it reads as "
+        r"Latin-1 .*iconv -f latin1", err), err
+    # a stray line in a large file (1 in 2,000) is damage: skipped with the note, not refused
+    big = tmp_path / "in" / "big.jsonl"
+    big.write_bytes(accented_jsonl(["plain line %d" % i for i in range(1999)]).encode() +
+                    accented_jsonl(["un café"]).encode("latin-1"))
+    assert preprocess_main(preprocess_args([big], tmp_path / "big")) == 0
+    err = capsys.readouterr().err
+    assert "documents written: 1,999" in err and "big.jsonl: 1 of its 2,000 lines is not UTF-8" in err, err
+    # the line it gives restores the UTF-8 original
+    if shutil.which("iconv"):
+        assert os.system(f"iconv -f latin1 -t utf-8 {latin1} > {tmp_path / 'in' / 'docs.utf8.jsonl'}") == 0
+        assert (tmp_path / "in" / "docs.utf8.jsonl").read_text(encoding="utf-8") == accented_jsonl()
+
+
+@pytest.mark.parametrize("name, content, mention", [
+    ("utf16.jsonl", accented_jsonl().encode("utf-16"),
+     r"utf16\.jsonl is UTF-16 text \(it starts with a byte-order mark\), not UTF-8: .*iconv -f utf-16 -t utf-8"),
+    ("utf16le.jsonl", accented_jsonl().encode("utf-16-le"),
+     r"utf16le\.jsonl holds zero bytes \(UTF-16 text without a byte-order mark\?\).*iconv -f utf-16le -t utf-8"),
+    ("plain.jsonl.gz", accented_jsonl().encode(),
+     r"plain\.jsonl\.gz is named \.gz but is not gzip-compressed \(it starts with b'\{\"': plain JSON text\)\. "
+     r"Rename it to what it is \(e\.g\. plain\.jsonl\)"),
+    ("array.json", json.dumps([{"text": t} for t in ACCENTED], ensure_ascii=False).encode("latin-1"),
+     r"array\.json is a JSON array that is not UTF-8 .*none of its documents can be read: it reads as Latin-1"),
+    ("cut.json", json.dumps([{"text": t} for t in ACCENTED]).encode()[:-30],
+     r"cut\.json starts a JSON array but is not valid JSON .*none of its documents can be read"),
+])
+def test_inputs_that_would_lose_a_whole_file_are_refused_before_any_work(data, tmp_path, capsys, name, content,
+                                                                         mention):
+    """Each lost all its documents while the run, with another good input, ended with exit 0."""
+    (tmp_path / name).write_bytes(content)
+    assert preprocess_main(preprocess_args([tmp_path / name, data["docs"]], tmp_path / "out" / "x")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(mention, last), last
+    assert not (tmp_path / "out").exists()
+
+
+def test_utf8_marks_inside_a_file_joined_with_cat_are_not_malformed_documents(data, tmp_path, capsys):
+    bom = b"\xef\xbb\xbf"
+    items = rows(4)
+    (tmp_path / "joined.jsonl").write_bytes(bom + jsonl_bytes(items[:2]) + bom + jsonl_bytes(items[2:]))
+    prefix = preprocess([tmp_path / "joined.jsonl"], tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "documents written: 4" in err and "documents skipped: 0" in err, err
+    assert np.array_equal(IndexedDataset(prefix)[2], IndexedDataset(data["gpt2"])[2])
+
+
+def test_a_data_path_naming_a_document_file_a_folder_or_the_sidecar(data, tmp_path):
+    """data.data_path given the .jsonl itself (not preprocessed), the folder of the datasets, or
+    the sidecar's path: the first two said only "looked for X.jsonl.bin", the third was refused."""
+    from megatron_id.data.gpt_dataset import DataConfigError, check_data
+    with pytest.raises(DataConfigError, match=r"It is a document file, not a preprocessed dataset: tokenize it first, "
+                                              r"e\.g\. python -m data_tools\.preprocess --input .*docs\.jsonl "
+                                              r"--tokenizer tokenizer\.json --output-prefix .*/docs --append-eod, then "
+                                              r"pass .*/docs_text_document\."):
+        check_data(str(data["docs"]), "100,0,0", 64, 50257)
+    with pytest.raises(DataConfigError, match=r"It is a folder: name one of its datasets \(.*gpt2_text_document, "
+                                              r".*small_text_document\), or blend them"):
+        check_data(str(data["gpt2"].parent), "100,0,0", 64, 50257)
+    check_data(f"{data['gpt2']}.meta.json", "100,0,0", 64, 50257)
+
+
+
+def test_an_output_prefix_ending_in_text_document_is_refused_and_training_names_the_doubled_files(data, tmp_path):
+    """`--output-prefix data/x_text_document` wrote data/x_text_document_text_document.bin, and
+    data.data_path=data/x_text_document then said only that it looked for x_text_document.bin."""
+    from megatron_id.data.gpt_dataset import DataConfigError, check_data
+    refused([PRE, *preprocess_args([data["docs"]], tmp_path / "out" / "x_text_document")], unchanged=[tmp_path],
+            mention=r"--output-prefix '.*out/x_text_document' ends in _text_document, which preprocessing appends "
+                    r".*it would write .*x_text_document_text_document\.bin/\.idx\. Give --output-prefix .*out/x: it "
+                    r"writes .*out/x_text_document\.bin/\.idx")
+    copy_pair(data["gpt2"], tmp_path / "made", "x_text_document_text_document")   # as it was written before
+    with pytest.raises(DataConfigError, match=r"x_text_document_text_document\.bin exists: the data was preprocessed "
+                                              r"with an --output-prefix that already ended in _text_document\. Pass "
+                                              r".*x_text_document_text_document, or rename"):
+        check_data(str(tmp_path / "made" / "x_text_document"), "100,0,0", 64, 50257)
+
+
+def test_train_tokenizer_counts_the_json_lines_it_skips(tmp_path, capsys):
+    """Lines that gave no text (here Latin-1) were dropped without a word."""
+    corpus = tmp_path / "mixed.jsonl"
+    corpus.write_bytes(accented_jsonl(["the cat sat on the mat"] * 30).encode() + accented_jsonl().encode("latin-1"))
+    assert train_tool.main(["--input", str(corpus), "--vocab-size", "260", "--output", str(tmp_path / "t.json")]) == 0
+    assert "train_tokenizer: note: 3 JSON lines skipped: 3 not UTF-8" in capsys.readouterr().err

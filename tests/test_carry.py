@@ -453,3 +453,180 @@ def test_carrying_state_on_data_without_an_eod_id_is_refused_before_any_work(tmp
     with pytest.raises(DataConfigError, match=r"data.carry_state needs the end-of-document token id, and "
                                               r".*noeod_text_document\.meta\.json .*set data\.eod_token_id"):
         check_run(cfg, training_layout(cfg, 1), on_gpu=False)
+
+
+# ---------------------------------------------------------------- careless runs (issue 52)
+
+def test_every_reason_a_run_cannot_carry_state_is_named():
+    """A run refused for several reasons names each (they were a dict keyed by booleans, each
+    overwriting the last); a softmax model is named by its model.mixer; a packed-document switch
+    set to false on purpose is refused, not overridden (carrying the state implies it)."""
+    from megatron_id.config import ConfigError, load_config
+    from megatron_id.training.layout import training_layout
+
+    def refusal(*extra):
+        cfg = load_config([TINY], ["data.carry_state=true", "train.global_batch_size=4", *extra])
+        with pytest.raises(ConfigError) as err:
+            training_layout(cfg, 1)
+        return str(err.value)
+    several = refusal("model.layer_pattern=IA", "train.activation_checkpointing=true", "train.carry_grad_windows=3")
+    for reason in ("train.carry_grad_windows=3: it must be >= 1", "softmax layers (model.layer_pattern=IA): their",
+                   "train.activation_checkpointing=true: a block recomputed"):
+        assert reason in several, several
+    assert "softmax layers (model.mixer=softmax): their state" in refusal("model.mixer=softmax")
+    assert "data.reset_position_ids=false: carrying the state implies it" in refusal("data.reset_position_ids=false")
+
+
+
+def test_the_keys_description_names_the_layouts_the_check_takes():
+    """docs/reference/config.md (from config.py's comment) said carry ran "not with pipeline or
+    context parallelism yet" while context parallelism worked: the description and the check agree."""
+    from megatron_id import reference
+    from megatron_id.config import ConfigError, load_config
+    from megatron_id.training.layout import training_layout
+    meaning = {k.name: k.meaning for k in reference.schema_keys()}["data.carry_state"]
+    assert "context parallelism, not pipeline parallelism" in meaning, meaning
+    base = [TINY], ["data.carry_state=true", "train.global_batch_size=4"]
+    training_layout(load_config(base[0], [*base[1], "parallel.context_parallel_size=2"]), 2)
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size=2"):
+        training_layout(load_config(base[0], [*base[1], "parallel.pipeline_model_parallel_size=2"]), 2)
+
+def test_an_eod_id_other_than_the_datas_is_refused_naming_both(fineweb_prefix, tmp_path):
+    """data.eod_token_id=0 where the sidecar records 50256 is refused in the checks, naming both ids and
+    the sidecar, for a carry run and for the packed-document switches (the same id finds their
+    documents), and for data.source=mqar (its episodes end with the task's own id). Data whose sidecar
+    records none: a given id must end its documents (written without --append-eod, 50256 ends none);
+    the same documents ending with 50256, without a sidecar, take it."""
+    from data_tools.preprocess import main as preprocess
+    from megatron_id.config import ConfigError, load_config
+    from megatron_id.data.gpt_dataset import DataConfigError
+    from megatron_id.training.carry import carried_eod_id
+    from megatron_id.training.documents import DocumentOptions
+    from megatron_id.training.engine import check_run
+    from megatron_id.training.layout import training_layout
+    items = [f"data.data_path=[{fineweb_prefix}]", "model.vocab_size=50257", "train.global_batch_size=2",
+             "train.check_host_memory=false", "data.eod_token_id=0"]
+    both = rf"data.eod_token_id=0, but {fineweb_prefix}.meta.json records the end-of-document id 50256"
+    cfg = load_config([TINY], [*items, "data.carry_state=true"])
+    with pytest.raises(DataConfigError, match=both + r".*data.carry_state needs it.*set data.eod_token_id=50256"):
+        check_run(cfg, training_layout(cfg, 1), on_gpu=False)
+    with pytest.raises(DataConfigError, match=both + r".*data.reset_attention_mask / reset_position_ids"):
+        DocumentOptions.from_config(load_config([TINY], [*items, "data.reset_attention_mask=true"]).data)
+    mqar = load_config([TINY], ["data.source=mqar", "data.mqar.query_window=2", "data.carry_state=true",
+                                "model.vocab_size=256", "data.eod_token_id=5"])
+    with pytest.raises(ConfigError, match=r"data.eod_token_id=5 is not what data.source=mqar ends its episodes with: "
+                                          r"the task's end-of-document id is 129"):
+        carried_eod_id(mqar)
+
+    out = tmp_path / "noeod"
+    assert preprocess(["--input", str(ROOT / "tests/data/fineweb-edu-sample-150.jsonl"), "--tokenizer", str(GPT2),
+                       "--output-prefix", str(out), "--no-progress"]) == 0
+    given = load_config([TINY], [f"data.data_path=[{out}_text_document]", "data.carry_state=true",
+                                 "data.eod_token_id=50256"])
+    with pytest.raises(DataConfigError, match=r"data.eod_token_id=50256 ends none of the first 64 documents of "
+                                              r".*noeod_text_document \(they end with"):
+        carried_eod_id(given)
+    bare = tmp_path / "bare_text_document"   # the EOD data without its sidecar (as Megatron's tools write it)
+    for suffix in (".bin", ".idx"):
+        shutil.copy(f"{fineweb_prefix}{suffix}", f"{bare}{suffix}")
+    given.data.data_path = [str(bare)]
+    assert carried_eod_id(given) == 50256
+
+
+def test_a_resume_that_cannot_continue_the_carried_rows_is_refused_before_any_work(fineweb_prefix, tmp_path):
+    """Rank 0's checks before any work (one line on every rank): a carry checkpoint resumed with
+    data.carry_state=false, another micro-batch, another DP (the refusal that came from rank 0 alone
+    once the ranks had started, rank 1 then failing with a gloo traceback), another
+    train.train_tokens (other streams), and a checkpoint trained without carry resumed with it, each
+    naming what would change and train.load_carried_state=false, which accepts it. Another
+    train.carry_grad_windows continues (the state at a step's end is the same)."""
+    from distributed import run_distributed
+    from test_distill import _train
+
+    from megatron_id.checkpoint.files import latest_folder, read_client_state, write_client_state
+    from megatron_id.checkpoint.integrity import checkpoint_files, manifest_entries, write_manifest
+    from megatron_id.config import ConfigError, load_config
+    from megatron_id.training.engine import check_run
+    from megatron_id.training.layout import training_layout
+    save = tmp_path / "run"
+    run_distributed(_train, 1, (_items(fineweb_prefix, save, "train.train_tokens=512"),), timeout=300)   # 2 steps
+
+    def check(*extra, world=1, root=save):
+        cfg = load_config([TINY], _items(fineweb_prefix, root, "train.train_tokens=512", f"train.load={root}", *extra))
+        return check_run(cfg, training_layout(cfg, world), on_gpu=False)
+
+    check()
+    check("train.carry_grad_windows=2")
+    refused = [(["data.carry_state=false"], "trained with data.carry_state=true, and this run has data.carry_state="
+                                            "false: the state every row carried would be dropped and the data order "
+                                            "would change"),
+               (["train.micro_batch_size=1"], "another layout (gradient_accumulation: saved 2, now 4, "
+                                              "micro_batch_size: saved 2, now 1)"),
+               ([], "another layout (data: saved 1, now 2, gradient_accumulation: saved 2, now 1, world: saved 1, "
+                    "now 2)")]
+    for extra, message in refused:
+        world = 1 if extra else 2
+        with pytest.raises(ConfigError) as err:
+            check(*extra, world=world)
+        assert message in str(err.value) and "train.load_carried_state=false" in str(err.value), str(err.value)
+        check(*extra, "train.load_carried_state=false", world=world)
+    with pytest.raises(ConfigError, match=r"train.train_tokens=1,024 makes 4 steps where the checkpoint's run had 2"):
+        check("train.train_tokens=1024")
+
+    plain = tmp_path / "plain"   # the same checkpoint, recorded as trained without carry
+    shutil.copytree(save, plain)
+    folder = latest_folder(plain)
+    client = read_client_state(folder)
+    client.data["carry_state"] = False
+    write_client_state(folder, client)
+    write_manifest(folder, manifest_entries(folder, checkpoint_files(folder)))
+    with pytest.raises(ConfigError, match=r"trained without data.carry_state, and this run has data.carry_state=true: "
+                                          r"the data order would change .*train.load_carried_state=false"):
+        check(root=plain)
+    check("train.load_carried_state=false", root=plain)
+
+
+def _load_rows(rank, world, roots):
+    """engine_io.load_carried_state on each rank of a DP=2 run, from each root: what it raised."""
+    from types import SimpleNamespace
+
+    from megatron_id.checkpoint import engine_io
+    from megatron_id.config import load_config
+    from megatron_id.training.carry import CarriedRows
+    from megatron_id.training.layout import Layout
+    layout = Layout(tensor=1, pipe=1, data=2, micro_batch_size=2, gradient_accumulation=1, global_batch_size=4,
+                    tokens_per_step=256, train_iters=2)
+    trainer = SimpleNamespace(cfg=load_config([TINY], []), carry=CarriedRows(1, 2, EOD, 1), layout=layout,
+                              device="cpu")
+    raised = []
+    for root in roots:
+        try:
+            engine_io.load_carried_state(trainer, root)
+            raised.append(None)
+        except Exception as err:
+            raised.append((type(err).__name__, str(err), getattr(err, "same_on_every_rank", False)))
+    return raised
+
+
+def test_carried_state_one_rank_cannot_load_stops_every_rank_with_one_message(tmp_path):
+    """A checkpoint's carried state that one rank cannot take (rank 0's file for another layout, rank
+    1 without one: a DP=1 checkpoint at DP=2; rank 1's file missing beside rank 0's) stops both ranks
+    with the same error, printed once; rank 1 went on alone, into a collective rank 0 had left."""
+    from distributed import run_distributed
+
+    from megatron_id.training.carry import CARRIED_FILE, CarriedRows
+    roots = []
+    for name, data, accumulation in (("dp1", 1, 2), ("dp2", 2, 1)):
+        folder = tmp_path / name / "iter_0000002"
+        folder.mkdir(parents=True)
+        (tmp_path / name / "latest").write_text("iter_0000002")
+        layout = {"tensor": 1, "data": data, "micro_batch_size": 2, "gradient_accumulation": accumulation,
+                  "world": data}
+        torch.save(CarriedRows(accumulation, 2, EOD, 1).state_dict(layout), folder / CARRIED_FILE.format(0))
+        roots.append(str(tmp_path / name))
+    ranks = run_distributed(_load_rows, 2, (roots,), timeout=120)
+    assert ranks[0] == ranks[1], ranks   # both ranks stop, with the same error
+    (layout_kind, layout_message, everywhere), (missing_kind, missing_message, everywhere_too) = ranks[0]
+    assert everywhere and everywhere_too   # printed by rank 0 alone
+    assert layout_kind == "ConfigError" and "for another layout (data: saved 1, now 2" in layout_message
+    assert missing_kind == "CheckpointError" and "but not of rank 1 (carried_state_rank00001.pt" in missing_message

@@ -32,6 +32,23 @@ def test_the_parser_and_a_refused_flag_import_no_torch():
             "    assert e.code == 2, e.code\n"
             "heavy = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
+    assert "unrecognized arguments: --bogus" in _python(code).stderr
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (what it imports is the point); it must succeed."""
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "unrecognized arguments: --bogus" in done.stderr
+    return done
+
+
+def test_counting_a_model_imports_no_torch_dynamo():
+    """`params` (and every command that builds a model on the meta device, or loads one) starts
+    without torch._dynamo: its import is ~1.1 s, as long as torch's own (3.3 s -> 1.7 s for
+    `megatron-id params` on 2 cores). It came from torch's default draw at construction
+    (layers.NormalInit.reset_parameters) and a compiler.disable decorator (ops/attention.py)."""
+    code = ("import sys\n"
+            "from megatron_id.cli import main\n"
+            "assert main(['params', '--config', 'configs/model/125m-hybrid.yaml']) == 0\n"
+            "assert 'torch._dynamo' not in sys.modules\n")
+    assert "decode state, all layers" in _python(code).stdout

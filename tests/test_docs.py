@@ -6,6 +6,7 @@ import functools
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,21 +119,67 @@ def test_relative_links_and_anchors_resolve():
 
 
 # ---------------------------------------------------------------- examples in the docs
-# A shell block preceded by `<!-- test: parse -->` has every command parsed by its own parser (and
-# every config file and key=value override loaded and validated), without running it: for
-# commands that need a GPU, a cluster or data a test does not have. `<!-- test: run -->` blocks
-# run, in that order, in a copy of the repository's tracked files.
+# Every shell block of the pages says how it is tested, in an HTML comment right before it
+# (invisible on GitHub; issue 52: a command a user copies runs as written, or says it is an excerpt):
+#   <!-- test: run -->          runs as written (bash -euo pipefail), the page's blocks in order, in a
+#                               copy of the tracked files where the README's `run` block has run: its
+#                               data (data/fineweb_*), its tiny run at runs/tiny, and that run's
+#                               checkpoints again at runs/x/checkpoints, the name the pages give "your run"
+#   <!-- test: run exit N -->   the same, for a documented refusal: the block ends with status N, one
+#                               `error:` line and no traceback
+#   <!-- test: run-by PATH -->  PATH (a test, or .ci/run) runs the block as written: it names the page
+#   <!-- test: parse -->        not run (a GPU, a cluster, a server left running, files of the user's, or
+#                               minutes of work): every command parsed by its own parser, config files and
+#                               key=value overrides loaded and validated
+#   <!-- test: excerpt -->      not run: a fragment (`...`, <placeholders>), another project's tool, or a
+#                               benchmark of minutes (benchmarks/*.py, run by hand; the page gives its figures)
+# adding-a-mixer.md's `<!-- guide: ... -->` marks belong to tests/test_adding_a_mixer.py, which runs them.
 
-EXAMPLE = re.compile(r"<!-- test: (run|parse) -->\n```bash\n(.*?)```", re.S)
+SHELL_BLOCK = re.compile(r"(?:<!-- (test|guide): ([^>]*?) -->\n[ \t]*)?```(?:bash|sh|shell|console)\n(.*?)```", re.S)
+MARKS = re.compile(r"run|run exit [1-9][0-9]*|run-by \S+|parse|excerpt")
+README = Path("README.md")
+
+
+def _blocks():
+    """(page, mark, block) of every shell block of the pages, in page order; mark None when unmarked."""
+    found = []
+    for page in _pages():
+        for kind, mark, block in SHELL_BLOCK.findall(page.read_text()):
+            mark = ("run-by tests/test_adding_a_mixer.py" if kind == "guide" else mark) if kind else None
+            found.append((page.relative_to(ROOT), mark, block))
+    return found
 
 
 def _examples(kind):
-    found = []
-    for page in _pages():
-        for mark, block in EXAMPLE.findall(page.read_text()):
-            if mark == kind:
-                found.append((page.relative_to(ROOT), block))
-    return found
+    return [(page, block) for page, mark, block in _blocks() if mark == kind]
+
+
+def test_every_shell_block_says_how_it_is_tested():
+    problems = []
+    for page, mark, block in _blocks():
+        first = block.strip().splitlines()[0] if block.strip() else "(empty)"
+        if mark is None or not MARKS.fullmatch(mark):
+            problems.append(f"{page}: `{first}`: mark {mark!r} (want run, run exit N, run-by PATH, parse or excerpt)")
+        elif mark.startswith("run-by "):
+            runner = ROOT / mark.split()[1]
+            if not runner.is_file() or page.name not in runner.read_text():
+                problems.append(f"{page}: `{first}`: {mark}, but {runner.relative_to(ROOT)} does not name {page.name}")
+    assert not problems, "\n".join(problems)
+    # the marks are read: an unmarked block, a mark of its own kind and a runner that never reads the page fail
+    assert [m for _, m, _ in _blocks() if m and m.startswith("run")], "no block runs"
+
+
+def test_the_mark_check_reads_the_marks(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- test: excerpt -->\n```bash\nmegatron-id train ...\n```\n\n```bash\nls\n```\n"
+                    "<!-- test: run-by README.md -->\n```bash\nls\n```\n<!-- test: runs -->\n```sh\nls\n```\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "_pages", lambda: [page])
+    assert [m for _, m, _ in _blocks()] == ["excerpt", None, "run-by README.md", "runs"]
+    with pytest.raises(AssertionError) as err:
+        test_every_shell_block_says_how_it_is_tested()
+    assert "mark None" in str(err.value) and "mark 'runs'" in str(err.value)
+    assert "README.md does not name page.md" in str(err.value)
 
 
 def _command_lines(block: str) -> list[list[str]]:
@@ -169,7 +216,8 @@ def _parse_command(argv: list[str]) -> None:
         if title == "megatron-id":
             args = _parse_with_overrides_anywhere(commands[title], rest)
             if hasattr(args, "overrides"):
-                load_config([ROOT / c for c in args.config], args.overrides)
+                # (convert takes model.KEY=VALUE overrides and no --config)
+                load_config([ROOT / c for c in getattr(args, "config", [])], args.overrides)
         elif title == "python launch/slurm/preprocess_submit.py":   # its options -- preprocess's -- inputs
             options, flags, inputs = reference._load_script(ROOT / argv[1]).split_command_line(rest)
             commands[title].parse_args(options)
@@ -198,23 +246,57 @@ def test_parse_check_catches_a_wrong_flag_and_a_wrong_key():
         _parse_command(["megatron-id", "params", "--config", "configs/model/tiny.yaml", "model.n_layer=3"])
 
 
-@pytest.mark.slow
-def test_documented_examples_run(tmp_path):
-    """The `run` blocks (the README's commands by hand: preprocess, train on 2 processes, export,
-    generate), in a copy of the tracked files, as a user would paste them."""
-    from test_quickstart import tracked_copy
-    examples = _examples("run")
-    assert examples, "no `<!-- test: run -->` block in the docs"
-    clone = tmp_path / "clone"
-    tracked_copy(clone)
+def _run_block(block: str, cwd: Path) -> subprocess.CompletedProcess:
+    """One block as a user pastes it, in the installed environment (megatron-id, torchrun on PATH)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"   # megatron-id, torchrun
-    for page, block in examples:
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env, capture_output=True,
-                              text=True, timeout=900)
-        assert done.returncode == 0, f"{page}:\n{block}\n{(done.stdout + done.stderr)[-4000:]}"
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def readme_run(tmp_path_factory):
+    """The README's `run` block (its commands by hand: preprocess, train on 2 processes, export,
+    generate) in a copy of the tracked files, as a user would paste it; then the same checkpoints
+    at runs/x/checkpoints, the run the pages call runs/x."""
+    from test_quickstart import tracked_copy
+    clone = tmp_path_factory.mktemp("docs") / "clone"
+    tracked_copy(clone)
+    (block,) = [block for page, mark, block in _blocks() if page == README and mark == "run"]
+    done = _run_block(block, clone)
+    assert done.returncode == 0, f"README.md:\n{block}\n{(done.stdout + done.stderr)[-4000:]}"
+    shutil.copytree(clone / "runs" / "tiny" / "checkpoints", clone / "runs" / "x" / "checkpoints")
+    return clone, done
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run(readme_run):
+    clone, done = readme_run
     assert (clone / "runs" / "tiny" / "hf" / "model.safetensors").is_file()
     assert "The water cycle" in done.stdout
     # issue 41 group C: the README trains with `megatron-id train --nproc 2`, not torchrun (whose report
     # followed every refusal); its training reaches the end in the ranks' own words
     assert "torch/distributed/run.py" not in done.stderr and "finished at step 32;" in done.stderr, done.stderr[-3000:]
+
+
+RUN_PAGES = sorted({page for page, mark, _ in _blocks() if page != README and mark and MARKS.fullmatch(mark)
+                    and (mark == "run" or mark.startswith("run exit"))}, key=str)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", RUN_PAGES, ids=str)
+def test_the_pages_commands_run_as_written(page, readme_run, tmp_path):
+    """Each page's `run` blocks, in order, in its own copy of the README's results (so no page
+    sees another's outputs)."""
+    work = tmp_path / "clone"
+    shutil.copytree(readme_run[0], work, symlinks=True)
+    for _, mark, block in [b for b in _blocks() if b[0] == page and b[1] and b[1].startswith("run") and
+                           not b[1].startswith("run-by")]:
+        status = int(mark.split()[-1]) if mark.startswith("run exit") else 0
+        done = _run_block(block, work)
+        said = f"{page} (want exit {status}, got {done.returncode}):\n{block}\n{(done.stdout + done.stderr)[-4000:]}"
+        assert done.returncode == status, said
+        assert "Traceback" not in done.stdout + done.stderr, said
+        if status:
+            assert "error:" in done.stderr, said
+

@@ -78,7 +78,8 @@ def test_switches_without_an_eod_id_fail_naming_the_prefix_and_the_fix(tmp_path)
                        [f"data.data_path=[{out}_text_document]", "data.eod_mask_loss=true"]).data
     with pytest.raises(DataConfigError, match=r"noeod_text_document\.meta\.json.*data\.eod_token_id"):
         DocumentOptions.from_config(data)
-    data.eod_token_id = 50256
-    assert DocumentOptions.from_config(data).eod_id == 50256
+    data.eod_token_id = 50256   # an id none of its documents ends with finds no document either
+    with pytest.raises(DataConfigError, match=r"data.eod_token_id=50256 ends none of the first 64 documents"):
+        DocumentOptions.from_config(data)
     data.eod_mask_loss = False
     assert not DocumentOptions.from_config(data).active   # all off: nothing read, nothing needed

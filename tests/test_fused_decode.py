@@ -4,6 +4,8 @@ the chunked forward over the whole sequence, in float64, for every layer kind an
 of different prefix lengths in one batch, refilled while the others go on; the compiled step."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import ROOT
@@ -182,20 +184,22 @@ def test_the_kernel_names_a_tensor_it_cannot_take():
                      t["state"].transpose(-1, -2), 0, s.mapped, s.query, s.dual, s.gate, s.kv_eps)
 
 
-def test_the_first_build_says_so_before_its_pause(monkeypatch, tmp_path, capsys):
-    """A build (~10 s, silent in torch) is announced on stderr; a cached one is not."""
+def test_the_first_build_says_so_before_its_pause_and_when_it_is_done(monkeypatch, tmp_path, capsys):
+    """A build (~10 s, silent in torch) is announced on stderr, and its end with the time it took;
+    a cached one is not."""
     import warnings
 
     from megatron_id.inference import cpu_kernel
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: None)   # no real build here
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = cpu_kernel.module_name(cpu_kernel._flags())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # (whether the op is registered depends on the tests before)
         cpu_kernel.fixed_state_step_kernel.__wrapped__()
-        assert f"building the fused decode step's CPU kernel (once, ~10 s; cached under {tmp_path})" in \
-            capsys.readouterr().err
-        name = cpu_kernel.module_name(cpu_kernel._flags())
-        (tmp_path / name).mkdir()
+        err = capsys.readouterr().err
+        assert f"building the fused decode step's CPU kernel (once, ~10 s; cached under {tmp_path})" in err
+        assert re.search(rf"megatron-id: built the CPU kernel in \d+\.\d s \({tmp_path / name / name}\.so\)", err), err
+        (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / f"{name}.so").write_bytes(b"")
         cpu_kernel.fixed_state_step_kernel.__wrapped__()
-        assert "building" not in capsys.readouterr().err
+        assert "built" not in capsys.readouterr().err

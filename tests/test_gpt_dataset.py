@@ -154,7 +154,7 @@ def test_check_data_refuses_what_cannot_train_before_any_index_is_built(tmp_path
         ((good, "969,30,1", 100_000, 10_000_000),
          r"holds [\d,]+ tokens, fewer than model\.seq_length \+ 1 = 100,001 needed for one sample"),
         ((good, "969,30,1", SEQ, 1000),
-         r"c\.bin holds token id \d+ but model\.vocab_size=1000: set model\.vocab_size to at least"),
+         r"c\.bin holds token id \d+ but model\.vocab_size=1000: .*Set model\.vocab_size to at least"),
         ((good, "train,valid", SEQ, 10_000_000), r"data\.split='train,valid': give up to three non-negative numbers"),
         ((f"0.5 {good} 0.5", "969,30,1", SEQ, 10_000_000), r"weight/prefix pairs"),
     ]

@@ -192,8 +192,9 @@ def test_import_of_a_folder_that_is_not_an_export(export, tmp_path, damage):
     bad = copy_of(export, tmp_path / "hf")
     if damage == "no config":
         (bad / "config.json").unlink()
-        mention = r"hf is not a megatron_id export: it has no config.json. Give a folder written by " \
-                  r"megatron-id export-hf"
+        mention = r"hf has no config.json. It is an export of megatron-id \(it holds configuration_megatron_id.py, " \
+                  r"megatron_id_model.py, modeling_megatron_id.py\): export the checkpoint again with megatron-id " \
+                  r"export-hf, or restore config.json from a copy"
     elif damage == "no weights":
         (bad / "model.safetensors").unlink()
         mention = r"model.safetensors is missing: .* is not a complete export. Export the checkpoint again"

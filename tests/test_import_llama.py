@@ -237,6 +237,10 @@ REFUSED = {   # name: (config.json, the line's pattern)
                      r"transformers architectures LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"),
     "kv heads": ({**LLAMA_CONFIG, "num_key_value_heads": 3}, r"num_key_value_heads=3 is not supported: it must "
                  r"divide num_attention_heads=4"),
+    # what AutoModel saves (issue 52): named as the decoder without its head
+    "base model": ({**LLAMA_CONFIG, "architectures": ["LlamaModel"]}, r"names architectures \['LlamaModel'\]: .* "
+                   r"\(LlamaModel is the decoder without its LM head, as AutoModel saves it: save the model with "
+                   r"AutoModelForCausalLM instead\)"),
 }
 
 

@@ -8,10 +8,10 @@ import math
 from conftest import CONFIGS
 
 from megatron_id.cli import main
-from megatron_id.config import ConfigError, load_config
+from megatron_id.config import ConfigError, GiB, load_config, parse_size
 from megatron_id.model.accounting import count_parameters
 from megatron_id.training.layout import training_layout
-from megatron_id.training.plan import GiB, accepted_layouts, estimate, parse_size, plan, stage_parameters
+from megatron_id.training.plan import accepted_layouts, estimate, plan, stage_parameters
 
 SMALL = CONFIGS / "model" / "125m.yaml"   # 12 heads and 12 layers: TP=8 and PP=8 are refused
 

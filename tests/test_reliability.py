@@ -144,9 +144,10 @@ def test_a_flipped_byte_in_a_shard_is_refused_with_the_file_named(fineweb_prefix
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    # (a longer run, so that it resumes: a rerun of the finished run says so without loading)
+    # (a longer run, so that it resumes: a rerun of the finished run says so without loading; its
+    # decay moves, which a resume takes only with train.override_scheduler=true)
     refused(train_command(*train_items(fineweb_prefix, f"train.save={ckpt}", f"train.load={ckpt}",
-                                       "train.train_tokens=512")),
+                                       "train.train_tokens=512", "train.override_scheduler=true")),
             mention=r"mp_rank_00_model_states.pt does not match its sha256", unchanged=[tmp_path])
     done = run_module("megatron_id.cli", ["check-checkpoint", str(ckpt)])
     assert done.returncode != 0 and "DAMAGED" in done.stderr and "mp_rank_00_model_states.pt" in done.stderr
@@ -198,7 +199,8 @@ def test_fresh_start_note_stale_staging_removed_and_resume_into_the_same_folder(
     assert f"no checkpoint found in {ckpt}: starting from scratch" in done.stderr
     assert f"removed {ckpt / '.incomplete' / 'iter_0000007'}, left by an interrupted save" in done.stderr
     assert not (ckpt / ".incomplete").exists() and (ckpt / "latest").read_text() == "iter_0000001"
-    done = run_module("megatron_id.cli", ["train", "--config", TINY, *items[:-1], "train.train_tokens=256"])
+    done = run_module("megatron_id.cli", ["train", "--config", TINY, *items[:-1], "train.train_tokens=256",
+                                          "train.override_scheduler=true"])   # a longer run: its decay moves
     assert done.returncode == 0, done.stderr[-3000:]
     assert "steps 2-2" in done.stderr and (ckpt / "latest").read_text() == "iter_0000002"
 
@@ -318,3 +320,47 @@ def test_a_signal_to_torchrun_makes_every_worker_save_and_stop(fineweb_prefix, t
                      text), text[-2000:]
     assert f"resume with the same command and train.load={ckpt} (exit 3)" in text
     SaveLock(ckpt).release()   # nobody holds the folder any more
+
+
+# ------------------------------------------------------------ issue 52: room for the checkpoints, before step 1
+
+def _build_with_free_space(rank, world, items, free):
+    """Trainer() with the file system of train.save said to have `free` bytes: the refusal's
+    message, or None and (the bytes of its step-1 checkpoint on disk) after one step and a save."""
+    import megatron_id.checkpoint.space as space
+    from megatron_id.errors import DiskFullError
+    from megatron_id.training.engine import Trainer
+    space.free_bytes = lambda folder: free
+    try:
+        trainer = Trainer(load_config([TINY], items))
+    except DiskFullError as err:
+        return str(err), err.exit_status, None
+    try:
+        trainer.train(max_steps=1)
+        folder = Path(trainer.cfg.train.save) / "iter_0000001"
+        return None, None, sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    finally:
+        trainer.close()
+
+
+def test_a_disk_too_small_for_a_checkpoint_is_refused_before_step_1(fineweb_prefix, tmp_path, capfd):
+    """It was found at the first save, after every step before it. The estimate (DeepSpeed's
+    files sized as a save sizes them, plus Adam's moments that exist only after step 1) is
+    checked against the checkpoint then written."""
+    save = tmp_path / "ckpt"
+    items = train_items(fineweb_prefix, f"train.save={save}", "train.train_tokens=512", "train.save_interval=1")
+    message, status, _ = run_distributed(_build_with_free_space, 1, args=(items, 30 * 2**20), timeout=300)[0]
+    assert status == 1 and re.match(
+        rf"no space left on device for a checkpoint of this run in train.save={save}: one needs about "
+        r"(?P<needed>[\d,]+) bytes \(75.\d MiB\), 31,457,280 bytes \(30.0 MiB\) free there. Refused before step 1: "
+        r"nothing was trained or written. Free space there, set train.save to a folder with room, or save weights "
+        r"only \(train.save_optimizer=false: about 25.\d MiB each; they resume with train.load_optimizer=false, Adam "
+        r"afresh\)\.$", message), message
+    assert not save.exists()   # nothing left behind (the lock's folder is removed again)
+    needed = int(re.search(r"one needs about ([\d,]+) bytes", message)[1].replace(",", ""))
+    # room for one but not for the 4 kept at once (train.keep_last=3, and the one being written): a warning
+    message, _, written = run_distributed(_build_with_free_space, 1, args=(items, 2 * needed), timeout=300)[0]
+    assert message is None and abs(written - needed) < 0.01 * needed, (written, needed)
+    assert re.search(rf"warning: train.save={save} has 15\d.\d MiB free and this run will hold up to 4 more "
+                     r"checkpoints there at once \(train.keep_last=3 with one more while each new one is written\), "
+                     r"about 30\d.\d MiB: a later save will fail", capfd.readouterr().err)

@@ -175,7 +175,8 @@ def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
     try:
         for body, status, mention in [
                 (b"not json", 400, "the body is not JSON"),
-                ({"prompt": "Hi", "max_tokens": 100}, 400, "exceed this server's --max-model-len of 40"),
+                ({"prompt": "Hi", "max_tokens": 100}, 400,
+                 "max_tokens 100 after the prompt's 1 token makes 101 tokens, over this server's --max-model-len"),
                 ({"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens=-1 is out of range"),
                 ({"prompt": ["a", "b"]}, 400, "prompt must be a string"),
                 ({"prompt": "Hi", "temperature": 3}, 400, "temperature=3 is out of range"),
@@ -244,6 +245,28 @@ def test_serve_refuses_bad_options_before_loading(tmp_path, capsys):
                           (["--max-model-len", "1"], "--max-model-len 1: at least 2")]:
         assert main(["serve", "--checkpoint", str(tmp_path / "nope"), *args]) == 2, args
         assert mention in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, key, mention", [
+    ("env", "  ", "$MEGATRON_ID_API_KEY is blank (only whitespace): every request would get 401. Give a key, or "
+                  "unset it to serve without one."),
+    ("env", "\n", "$MEGATRON_ID_API_KEY is blank (only whitespace)"),
+    ("env", "", "$MEGATRON_ID_API_KEY is empty: every request would get 401"),
+    ("env", "s3cret\n", "$MEGATRON_ID_API_KEY has whitespace at its end (a newline read from a key file?): clients "
+                        "cannot send it"),
+    ("flag", " s3cret", "--api-key has whitespace at its start"),
+    ("flag", "s3\x07cret", "--api-key holds a control character ('\\x07' at character 3 of 7)"),
+])
+def test_an_api_key_no_client_can_send_is_refused_before_loading(where, key, mention, tmp_path, capsys, monkeypatch):
+    """Before: MEGATRON_ID_API_KEY="  " started a server on which every request got 401 (and an
+    empty one, from KEY=$UNSET, a server without a key)."""
+    from megatron_id.cli import main
+    monkeypatch.setenv("MEGATRON_ID_API_KEY", key if where == "env" else "ignored: the flag is the key")
+    flag = ["--api-key", key] if where == "flag" else []
+    assert main(["serve", "--checkpoint", str(tmp_path / "nope"), *flag]) == 2
+    err = capsys.readouterr().err
+    assert mention in err, err
+    assert "s3" not in err, err   # the key itself is not printed
 
 
 # ---------------------------------------------------------------- issue 41 group B: serve's careless inputs

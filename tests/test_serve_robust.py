@@ -33,10 +33,16 @@ def greedy(trained, prompt: str, max_tokens: int) -> str:
 
 
 def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step_seconds: float = 0.0,
-          max_pending: int = 8, chat=None):
+          max_pending: int = 8, chat=None, handler_cancellation: bool = True):
     """Run `body(client, engine)` against the app with a live engine; `step_seconds` slows every
-    decode step (a model of realistic speed, so that requests overlap)."""
+    decode step (a model of realistic speed, so that requests overlap). handler_cancellation: on,
+    as `megatron-id serve` runs aiohttp (a client's hang-up cancels its handler); off, aiohttp's
+    own default (the handler finds out when it next writes)."""
     from aiohttp.test_utils import TestClient, TestServer
+
+    class Server(TestServer):   # (TestServer turns handler cancellation on whatever it is given)
+        async def _make_runner(self, **kwargs):
+            return await super()._make_runner(**{**kwargs, "handler_cancellation": handler_cancellation})
     batcher = ContinuousBatcher(trained.model, slots=slots, capacity=MAX_MODEL_LEN, prefill_thread=True)
     if step_seconds:
         step = batcher.decoder.step
@@ -51,7 +57,7 @@ def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step
     async def run():
         engine.start()
         try:
-            async with TestClient(TestServer(app)) as client:
+            async with TestClient(Server(app)) as client:
                 return await body(client, engine)
         finally:
             engine.stop()
@@ -107,7 +113,8 @@ HOSTILE = [   # (body, Content-Type, status, what the message says)
     (json.dumps({"prompt": "a" * (4 * 2**20)}).encode(), "application/json", 413,
      "the body is over 4,194,304 bytes (serve --max-body-size)"),
     (json.dumps({"prompt": "word " * 600_000}).encode(), "application/json", 400,
-     "exceed this server's --max-model-len of 256 tokens: send a shorter prompt"),
+     "leaves no room for a completion under this server's --max-model-len of 256 tokens (prompt + max_tokens): "
+     "send a shorter prompt"),
     (b'{"prompt": "Hi"}', "text/plain", 415, "Content-Type 'text/plain': send the body as JSON"),
     (b'\xff\xfe{"prompt": "Hi"}', "application/json", 400, "the body is not UTF-8 (byte 0)"),
     (b'{"prompt": "Hi", "stop": ["a", ""]}', "application/json", 400, "stop holds an empty string"),
@@ -248,7 +255,9 @@ def test_access_control_key_content_type_host_origin_and_per_client_limit(traine
         out["localhost"] = await post_raw(client, json.dumps(request).encode(), headers={**key, "Host": "localhost:80"})
         unknown = await client.get("/v1/engines", headers=key)
         out["unknown path"] = unknown.status, await unknown.json()
-        # one client (this address) with one request running: the second gets 429
+        # one client (this address) with one request running: the second gets 429 (once the engine
+        # has closed its books on the requests above: its count of them could pass for the first's)
+        await settled(client)
         first = asyncio.create_task(client.post("/v1/completions", headers=key, json={
             "prompt": CANARY, "max_tokens": 60, "temperature": 0}))
         while not engine.busy():
@@ -269,6 +278,80 @@ def test_access_control_key_content_type_host_origin_and_per_client_limit(traine
     assert out["second of a client"][0] == 429 and "max-pending-per-client" in out["second of a client"][1]["error"][
         "message"]
     assert out["first"] == 200
+
+
+def test_a_length_over_max_model_len_blames_max_tokens_or_the_prompt_whichever_is_at_fault(trained):
+    """Before: max_tokens alone over --max-model-len was blamed on the prompt (param "prompt",
+    "send a shorter prompt"), measured on the prompt's bytes before it was tokenized."""
+    long_prompt = " ".join(["water"] * 300)   # 300 tokens, but few enough bytes to be tokenized
+    canary = len(trained.tokenizer.encode(CANARY).ids)
+
+    async def body(client, engine):
+        out = []
+        for prompt, max_tokens in (("Hi", 300), ("Hi", 256), (CANARY, 257 - canary), (long_prompt, 1),
+                                   (long_prompt, 500)):
+            code, reply = await post_raw(client, json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode())
+            out.append((code, reply["error"]["param"], reply["error"]["message"]))
+        return out
+    limit = "over this server's --max-model-len of 256 tokens (prompt + max_tokens)"
+    alone, exactly, together, prompt, both = serve(trained, body)
+    assert alone == (400, "max_tokens", f"max_tokens 300 after the prompt's 1 token makes 301 tokens, {limit}: ask "
+                                        f"for at most 255 max_tokens"), alone
+    assert exactly[:2] == (400, "max_tokens") and "ask for at most 255 max_tokens" in exactly[2], exactly
+    assert together == (400, "max_tokens", f"max_tokens {257 - canary} after the prompt's {canary} tokens makes "
+                                           f"257 tokens, {limit}: ask for at most {256 - canary} max_tokens (or send "
+                                           f"a shorter prompt)"), together
+    assert prompt == (400, "prompt", "the prompt is 300 tokens, which leaves no room for a completion under this "
+                                     "server's --max-model-len of 256 tokens (prompt + max_tokens): send a shorter "
+                                     "prompt"), prompt
+    assert both[:2] == (400, "prompt") and both[2].endswith(
+        "send a shorter prompt (and max_tokens 500 alone is over it too: ask for fewer)"), both
+
+
+def test_a_client_that_hangs_up_mid_stream_is_cancelled_without_a_traceback_in_the_log(trained, caplog, capsys):
+    """Before: a hang-up whose write came before aiohttp's handler cancellation (a token arriving
+    in the same turn of the event loop: 1 to 2 streams in 10 on `serve`) left aiohttp's
+    "Error handling request" and a 25-line "Cannot write to closing transport" traceback in the
+    log. Without handler cancellation every hang-up takes that path (deterministic here); with
+    it, as `serve` runs, a few hang-ups more."""
+    import logging
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
+
+    async def body(client, engine, hang_ups):
+        for n in range(1, hang_ups + 1):
+            reply = await client.post("/v1/completions", json={"prompt": CANARY, "max_tokens": 200,
+                                                               "temperature": 0, "stream": True})
+            assert reply.status == 200
+            assert (await reply.content.readline()).startswith(b"data: {")
+            reply.close()   # hang up mid-stream
+            for _ in range(500):
+                if engine.finished["cancelled"] == n and not engine.busy():
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.finished["cancelled"] == n and not engine.busy(), engine.finished
+        # and the server goes on serving
+        text, _, _ = await stream_text(client, CANARY, 5)
+        return text
+    want = greedy(trained, CANARY, 5)
+    for cancellation, hang_ups in ((False, 1), (True, 3)):
+        got = serve(trained, lambda client, engine: body(client, engine, hang_ups), step_seconds=0.005,
+                    handler_cancellation=cancellation)
+        assert got == want
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not logged, [(r.name, r.getMessage(), r.exc_info and r.exc_info[1]) for r in logged]
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "closing transport" not in err, err
+
+
+def test_the_bearer_scheme_is_read_in_any_case(trained):
+    """`curl -H 'Authorization: bearer KEY'` got 401 (the scheme is case-blind: RFC 7235)."""
+    async def body(client, engine):
+        out = []
+        for given in ("bearer s3cret", "BEARER  s3cret", "Basic s3cret", "s3cret", "Bearer s3cre"):
+            reply = await client.get("/v1/models", headers={"Authorization": given})
+            out.append(reply.status)
+        return out
+    assert serve(trained, body, ServeLimits(api_key="s3cret")) == [200, 200, 401, 401, 401]
 
 
 def test_a_body_that_never_arrives_gets_408_and_a_request_past_its_deadline_504(trained):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -538,3 +539,126 @@ def test_a_fresh_run_keeps_earlier_lines_decays_to_min_lr_and_a_rerun_says_it_is
                                "nothing to train")
     assert said[-1].startswith(f"train.export_hf_at_end={run / 'hf'}: kept the export there, not exported again")
     assert "training " not in again.stderr and snapshot(run) == before
+
+
+# ------------------------------------------------------------------ issue 52: a resume that changes the schedule
+
+def _saved_at_step_4(tmp_path, base) -> Path:
+    """A checkpoint folder whose client state records the settings of `base` at step 4 (all a
+    resume's schedule check reads)."""
+    from megatron_id.checkpoint.files import ClientState, write_client_state
+    from megatron_id.training.engine import optimizer_record
+    folder = tmp_path / "ckpt" / "iter_0000004"
+    folder.mkdir(parents=True)
+    write_client_state(folder, ClientState(step=4, model={}, optimizer=optimizer_record(load_config([TINY], base))))
+    return folder
+
+
+def test_a_resume_that_changes_the_schedule_is_refused_naming_each_key(tmp_path):
+    """optimizer.lr changed on resume bent the schedule mid-run without a word, and a changed
+    optimizer.weight_decay or beta was ignored without a word (the optimizer state restores the
+    checkpoint's). Megatron asserts its scheduler's values match unless
+    --override-opt_param-scheduler; here train.override_scheduler=true."""
+    from megatron_id.training.engine import check_resume_optimizer
+    from megatron_id.training.layout import training_layout
+    base = ["train.train_tokens=2048", "train.global_batch_size=2", "optimizer.warmup_tokens=0"]   # 16 steps
+    folder = _saved_at_step_4(tmp_path, base)
+
+    def check(*items):
+        cfg = load_config([TINY], [*base, f"train.load={folder.parent}", *items])
+        return check_resume_optimizer(folder, cfg, training_layout(cfg, 1))
+    assert check() is None and check("optimizer.clip_grad=0.5") is None   # exact resume; clipping may change
+    with pytest.raises(ConfigError, match=r"iter_0000004 \(step 4\) was trained with optimizer.lr=0.003, and this run "
+                                          r"sets optimizer.lr=0.001 \(the learning rate of step 5 would go from "
+                                          r"0.002\d+ to 0.000\d+\); a resume continues its checkpoint's schedule and "
+                                          r"AdamW settings. Set optimizer.lr=0.003 to resume as it was, or "
+                                          r"train.override_scheduler=true to apply this run's values from step 5 on"):
+        check("optimizer.lr=1e-3")
+    with pytest.raises(ConfigError, match=r"trained with train.train_tokens=2048, optimizer.weight_decay=0.1, and this "
+                                          r"run sets train.train_tokens=4096, optimizer.weight_decay=0.0 \(the "
+                                          r"learning rate of step 5"):
+        check("optimizer.weight_decay=0", "train.train_tokens=4096")
+    with pytest.raises(ConfigError, match=r"optimizer.adam_beta2=0.95.*sets optimizer.adam_beta2=0.99; a resume"):
+        check("optimizer.adam_beta2=0.99")   # no rate to compare: the schedule is the same
+    lines = check("optimizer.lr=1e-3", "train.override_scheduler=true").splitlines()
+    assert lines[0] == "train.override_scheduler=true: optimizer.lr=0.001 from step 5 on (iter_0000004 was trained " \
+                       "with optimizer.lr=0.003)"
+    assert re.match(r"train.override_scheduler=true: the learning rate of step 5 is 0.000\d+ \(0.002\d+ as "
+                    r"iter_0000004 was trained\)$", lines[1]), lines
+    assert check("optimizer.lr=1e-3", "train.load_optimizer=false") is None   # Adam restarts: as Megatron, no check
+    assert check("optimizer.decay_fraction=0.5") is None   # a wsd key under cosine changes nothing
+    constant = [*base, "optimizer.schedule=constant"]
+    folder = _saved_at_step_4(tmp_path / "constant", constant)
+    cfg = load_config([TINY], [*constant, "train.train_tokens=4096"])   # a longer constant run: the same rates
+    assert check_resume_optimizer(folder, cfg, training_layout(cfg, 1)) is None
+
+
+def _resume_reporting_groups(rank, world, items):
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([TINY], items))
+    groups = [(g["name"], g["weight_decay"], tuple(g["betas"])) for g in trainer.guard.param_groups]
+    try:
+        return trainer.train(), groups
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_lr_is_refused_and_with_the_override_takes_the_new_schedule(fineweb_prefix, tmp_path,
+                                                                                         capfd):
+    """Refused before any work; then with train.override_scheduler=true the run says
+    what changed, steps 3-4 take the new schedule and the new weight decay reaches Adam's groups
+    (the optimizer state's load restored 0.1 before); its checkpoints record the new values, so
+    the same command resumes again without a word."""
+    save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    items = _items(fineweb_prefix, save, "train.train_tokens=512", "train.micro_batch_size=2",
+                   "train.global_batch_size=2", "train.eval_iters=0", "optimizer.warmup_tokens=0",
+                   "train.save_interval=2", f"train.metrics_file={metrics}")   # 4 steps of 128 tokens
+    run_distributed(_save_two_steps, 1, args=(items,), timeout=300)
+    changed = [*items, f"train.load={save}", "optimizer.lr=1e-3", "optimizer.weight_decay=0.01"]
+    with pytest.raises(RankError, match=r"iter_0000002 \(step 2\) was trained with optimizer.lr=0.003, "
+                                        r"optimizer.weight_decay=0.1, and this run sets optimizer.lr=0.001, "
+                                        r"optimizer.weight_decay=0.01 \(the learning rate of step 3 would go from "
+                                        r".*train.override_scheduler=true"):
+        run_distributed(_resume_reporting_groups, 1, args=(changed,), timeout=300)
+    assert (save / "latest").read_text() == "iter_0000002" and len(metrics.read_text().splitlines()) == 2
+    losses, groups = run_distributed(_resume_reporting_groups, 1, args=([*changed, "train.override_scheduler=true"],),
+                                     timeout=300)[0]
+    assert len(losses) == 2 and ("decay", 0.01, (0.9, 0.95)) in groups
+    said = capfd.readouterr().err
+    assert "train.override_scheduler=true: optimizer.lr=0.001 from step 3 on (iter_0000002 was trained with " \
+           "optimizer.lr=0.003)" in said
+    assert "train.override_scheduler=true: optimizer.weight_decay=0.01 from step 3 on" in said
+    cfg = load_config([TINY], changed)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert [line["train/lr"] for line in lines[2:]] == [pytest.approx(learning_rate(s * 128, cfg.optimizer, 512, 128))
+                                                       for s in (2, 3)]
+    from megatron_id.training.engine import check_resume_optimizer
+    from megatron_id.training.layout import training_layout
+    assert check_resume_optimizer(save / "iter_0000004", cfg, training_layout(cfg, 1)) is None
+
+
+def _save_two_steps(rank, world, items):
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([TINY], items))
+    trainer.train(max_steps=2)   # (train.save_interval=2: saved at step 2)
+    trainer.close()
+
+
+def test_the_console_shows_step_1_and_a_resumes_first_step(capsys):
+    """The quickstart's console started at step 20 (train.log_interval), so the README's "the
+    loss starts at 10.8" showed only in TensorBoard. Now the first step of a run prints its line
+    too, as torchtitan does; the scalars of every step are recorded as before."""
+    from megatron_id.training.layout import training_layout
+    from megatron_id.training.metrics import Metrics
+    cfg = load_config([TINY, CONFIGS / "train" / "quickstart.yaml"], [])
+    layout = training_layout(cfg, 2)
+    fresh, resumed = Metrics(cfg, layout, is_logger=True), Metrics(cfg, layout, is_logger=True, start_step=40)
+    assert [s for s in range(1, 151) if fresh.logs(s)] == [1, 20, 40, 60, 80, 100, 120, 140, 150]
+    assert [s for s in range(41, 151) if resumed.logs(s)] == [41, 60, 80, 100, 120, 140, 150]
+    fresh.step(1, 10.83, 3e-3, 1.5, 0)
+    fresh.step(2, 10.5, 3e-3, 1.5, 0)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("step 1/150 [") and "| loss 10.8300 |" in lines[0], lines
+    assert fresh.pending["train/loss"] == 10.5   # step 2's scalars go to the files all the same

@@ -370,7 +370,7 @@ def run(args) -> int:
         if not any(o.startswith("data.data_path=") for o in cells[0].overrides):
             raise GridError("no data.data_path for the jobs: every one would fail at startup. Pass "
                             "--set data.data_path=<prefix> (or add it to overrides in grid.yaml).")
-    from megatron_id.training.plan import parse_size
+    from megatron_id.config import parse_size
     gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
     if gpu_memory <= 0:
         raise GridError(f"--gpu-memory {args.gpu_memory}: must be positive.")

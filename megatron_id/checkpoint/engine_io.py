@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-from ..errors import DiskFullError, is_disk_full
+from ..errors import DiskFullError, UserError, is_disk_full
 from ..model import LanguageModel
 from ..parallel.pipeline import from_model_names, pipeline_state_dict
-from ..training.carry import CARRIED_FILE
+from ..training.carry import CARRIED_FILE, LOAD_KEY, rows_layout
 from . import reshard, space
 from .background import BackgroundSave, host_copy_engine, write_file
 from .deepspeed_files import safe_load
@@ -116,6 +116,11 @@ def save(trainer, root, client: ClientState, background: bool = False):
         raise space.checkpoint_disk_full(root, tag, needed, space.remove_partial(root, staged)) from err
     dist.barrier()
     return root / tag
+
+
+def check_room_at_start(trainer, root) -> None:
+    """Before step 1, every rank: train.save can hold this run's checkpoints (space.py)."""
+    space.check_room_at_start(trainer, Path(root), _weights_only_files)
 
 
 def _save_in_background(trainer, root: Path, staged: Path, client: ClientState):
@@ -224,20 +229,46 @@ def _carried_state(trainer, staged: Path):
 
 def carried_layout(trainer) -> dict:
     """What decides which rows and heads each rank's carried state holds."""
-    layout = trainer.layout
-    return {"tensor": layout.tensor, "data": layout.data, "micro_batch_size": layout.micro_batch_size,
-            "gradient_accumulation": layout.gradient_accumulation, "world": dist.get_world_size()}
+    return rows_layout(trainer.layout)
 
 
-def load_carried_state(trainer, root) -> bool:
-    """This rank's rows continue from `root`/latest's carried state (data.carry_state); False
-    when the checkpoint has none (saved without carry: every row starts from zero)."""
-    path = latest_folder(Path(root)) / CARRIED_FILE.format(dist.get_rank())
-    if not path.is_file():
-        return False
-    trainer.carry.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
-                                  carried_layout(trainer), path, trainer.device)
-    return True
+def load_carried_state(trainer, root) -> None:
+    """This rank's rows continue from `root`/latest's carried state (data.carry_state), or every
+    row starts from zero, said once: train.load_carried_state=false, or a checkpoint saved
+    without it. Agreed by every rank: a rank that cannot take its file (another layout, which
+    check_run refuses before any work; a file missing beside the other ranks') stops every rank
+    with one message, where alone it would leave the others to fail in their next collective,
+    each with a traceback."""
+    folder = latest_folder(Path(root))
+    if not trainer.cfg.train.load_carried_state:
+        _say(f"{folder}: {LOAD_KEY}=false: every row starts its next window from zero")
+        return
+    path = folder / CARRIED_FILE.format(dist.get_rank())
+    present, problem = path.is_file(), None
+    if present:
+        try:
+            trainer.carry.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
+                                          carried_layout(trainer), path, trainer.device)
+        except UserError as err:
+            problem = str(err)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (present, problem))
+    problems = [p for _, p in gathered if p]
+    if problems:
+        err = ConfigError(problems[0])
+        err.same_on_every_rank = True
+        raise err
+    missing = [rank for rank, (has, _) in enumerate(gathered) if not has]
+    if missing and len(missing) < len(gathered):
+        err = CheckpointError(f"{folder} holds the carried state (data.carry_state) of some ranks but not of rank "
+                              f"{', '.join(map(str, missing))} ({CARRIED_FILE.format(missing[0])} is missing): "
+                              f"resume from a whole checkpoint, or set {LOAD_KEY}=false to start every row from "
+                              f"zero.")
+        err.same_on_every_rank = True
+        raise err
+    if missing:
+        _say(f"{folder}: its checkpoint holds no carried state (saved without data.carry_state): every row "
+             f"starts its next window from zero")
 
 
 def _verified_latest(trainer, root: Path) -> tuple[Path, ClientState, dict]:

@@ -230,6 +230,10 @@ class ClientState:
     # checkpoint, the pattern, per converted layer the tensors carried, fresh and dropped, and
     # --select's scores; None for any other checkpoint
     conversion: dict | None = None
+    # the optimizer settings a resume continues ({"optimizer.lr": ..., "train.train_tokens": ...}:
+    # the schedule's keys and AdamW's; training/engine.py optimizer_record); None: written before
+    # they were recorded, or by import-hf
+    optimizer: dict | None = None
 
     def model_config(self) -> ModelConfig:
         """The model as saved, for readers (eval, generate, export, conversion). core_impl is

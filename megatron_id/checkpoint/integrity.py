@@ -114,8 +114,10 @@ def warn_unverified(folder: Path, why: str = "saved before checkpoints carried o
           f"its files are not verified", file=sys.stderr, flush=True)
 
 
-def verify_file(folder: Path, name: str, manifest: dict | None = "read") -> None:
-    """Check one file of a checkpoint folder against its manifest (size, then sha256)."""
+def verify_file(folder: Path, name: str, manifest: dict | None = "read", advise: bool = True) -> None:
+    """Check one file of a checkpoint folder against its manifest (size, then sha256).
+    advise=False: the message says what is wrong and not what to do (check-checkpoint gives the
+    advice that fits the folder once, after its list)."""
     folder = Path(folder)
     if _settled_key(folder) in _settled:
         return
@@ -125,37 +127,41 @@ def verify_file(folder: Path, name: str, manifest: dict | None = "read") -> None
         warn_unverified(folder)
         mark_settled(folder)
         return
+
+    def fix(text: str) -> str:
+        return f" {text}" if advise else ""
+    older = f"Use an older checkpoint (edit {folder.parent / 'latest'})"
     entry = manifest.get(name)
     if entry is None:
         raise CheckpointError(f"{path} is not listed in {folder / MANIFEST}: the file does not belong "
-                              f"to this checkpoint. Remove it, or use another checkpoint.")
+                              f"to this checkpoint.{fix('Remove it, or use another checkpoint.')}")
     if not path.is_file():
         raise CheckpointError(f"{path} is missing (listed in {folder / MANIFEST}): the checkpoint is "
-                              f"incomplete. Use an older checkpoint (edit {folder.parent / 'latest'}).")
+                              f"incomplete.{fix(older + '.')}")
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(f"{path} has {size} bytes, the manifest says {entry['bytes']}: the file "
-                              f"is truncated or damaged. Use an older checkpoint (edit "
-                              f"{folder.parent / 'latest'}) or restore this file.")
+                              f"is truncated or damaged.{fix(older + ' or restore this file.')}")
     if file_digest(path) != entry["sha256"]:
         raise CheckpointError(f"{path} does not match its sha256 in {folder / MANIFEST}: the file is "
-                              f"damaged. Use an older checkpoint (edit {folder.parent / 'latest'}) or "
-                              f"restore this file.")
+                              f"damaged.{fix(older + ' or restore this file.')}")
 
 
-def verify_checkpoint(folder: Path, names=None) -> list[str]:
-    """Problems of a checkpoint folder (every file, or `names`): [] when healthy."""
+def verify_checkpoint(folder: Path, names=None, advise: bool = True) -> list[str]:
+    """Problems of a checkpoint folder (every file, or `names`): [] when healthy. advise: as
+    verify_file's."""
     folder = Path(folder)
     try:
         manifest = read_manifest(folder)
     except CheckpointError as err:
-        return [str(err)]
+        return [str(err) if advise else f"{folder / MANIFEST} is damaged (not a {MANIFEST_FORMAT} file): the "
+                f"checkpoint cannot be verified"]
     if manifest is None:
         return [f"{folder} has no {MANIFEST}: it cannot be verified"]
     problems = []
     for name in sorted(manifest) if names is None else names:
         try:
-            verify_file(folder, name, manifest)
+            verify_file(folder, name, manifest, advise)
         except CheckpointError as err:
             problems.append(str(err))
     if names is None:   # the whole folder: files that no manifest vouches for are a problem too

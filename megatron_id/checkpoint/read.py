@@ -74,6 +74,9 @@ def checkpoint_folder(path, also_export: bool = False) -> Path:
         why = f"it has iter_ folders but no `latest`: give one of them, e.g. {path / iters[-1]}"
     elif below:
         why = f"it has neither `latest` nor {CLIENT_STATE}, but its subfolder {below[0]} is one: give that"
+    elif (path / "config.json").is_file() and not also_export:
+        why = ("it is a Hugging Face folder (it has config.json: an export, or a transformers model): megatron-id "
+               "import-hf reads it into a training checkpoint, which this command takes")
     else:
         why = (f"it has neither `latest` (a train.save folder) nor {CLIENT_STATE} (an iter_XXXXXXX folder)"
                + (", nor config.json (an export)" if also_export else ""))

@@ -41,6 +41,11 @@ def check_save_and_load(save: str | None, load: str | None) -> tuple[Path | None
         elif (load_path / CLIENT_STATE).is_file():
             raise ConfigError(f"train.load={load} is one checkpoint folder; train.load takes the folder "
                               f"that holds `latest` and the iter_ folders: train.load={load_path.parent}.")
+        elif (load_path / "config.json").is_file():   # export-hf's output, or a transformers folder
+            imported = load_path.parent / f"{load_path.name}-imported"
+            raise ConfigError(f"train.load={load} is a Hugging Face folder (it holds config.json), not a train.save "
+                              f"folder: import it first (megatron-id import-hf --input {load} --output {imported}), "
+                              f"then train from train.load={imported}.")
         else:
             what = "does not exist" if not load_path.exists() else "holds no checkpoint (no `latest` file)"
             raise ConfigError(f"train.load={load} {what}. Give the train.save folder of an earlier run "

@@ -10,19 +10,24 @@ Sizing: DeepSpeed's save_checkpoint runs once with `SizingEngine` in place of it
 engine, which counts the bytes of the tensors of every file it is handed and writes nothing
 (the same substitution train.async_save makes to keep host copies). The figure is kept per
 trainer and kind of save (weights only or not): the sizes do not change during a run.
+
+At the start of a run (`check_room_at_start`, before step 1) the same sizing pass runs, plus
+Adam's two moments that torch creates only at the first step, so a disk too small for one
+checkpoint is refused before any training rather than at the first save.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..errors import disk_full_error, free_bytes, human_bytes
-from .files import STAGING, latest_folder
+from ..errors import DiskFullError, disk_full_error, free_bytes, human_bytes
+from .files import STAGING, latest_folder, tag_for
 
 # torch.save's zip container: per file, its pickle and record headers (about 1 KiB per tensor)
 FILE_OVERHEAD = 64 * 1024
@@ -94,9 +99,10 @@ def reshardable_bytes(trainer) -> int:
     return 3 * 4 * report(trainer.cfg.model).parameters + FILE_OVERHEAD
 
 
-def measure(trainer, root: Path, tag: str, weights_only: bool, files_context) -> int:
+def measure(trainer, root: Path, tag: str, weights_only: bool, files_context, keep: bool = True) -> int:
     """This rank's bytes of the checkpoint `tag` (a collective: DeepSpeed's save_checkpoint runs
-    with the sizing engine). Kept on the trainer per kind of save."""
+    with the sizing engine). Kept on the trainer per kind of save (unless `keep` is false: before
+    the first step, Adam's state is not there yet to be counted)."""
     cache = trainer.__dict__.setdefault("_checkpoint_bytes", {})
     if weights_only in cache:
         return cache[weights_only]
@@ -115,8 +121,88 @@ def measure(trainer, root: Path, tag: str, weights_only: bool, files_context) ->
         total += 64 * 1024   # client_state.pt and manifest.json
         if trainer.cfg.train.reshardable_optimizer and not weights_only:
             total += reshardable_bytes(trainer)
-    cache[weights_only] = total
+    if keep:
+        cache[weights_only] = total
     return total
+
+
+def adam_state_to_come(trainer) -> int:
+    """Bytes of Adam's two moments that do not exist yet (torch creates them at the first step):
+    one pair per tensor this rank's optimizer steps (under ZeRO, its flat fp32 partitions), in
+    that tensor's dtype."""
+    optimizer, total = trainer.guard, 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state.get(param):
+                total += 2 * (param.numel() * param.element_size() + PER_TENSOR_OVERHEAD)
+    return total
+
+
+def _saves_ahead(trainer) -> int:
+    """How many checkpoints of about one size this run adds to train.save at its fullest: every
+    train.save_interval, train.extra_save_steps and the end, pruned to train.keep_last after each
+    commit (the checkpoints already there count towards it)."""
+    t, start, end = trainer.cfg.train, trainer.step, trainer.layout.train_iters
+    saves = {s for s in range(start + 1, end + 1) if s % t.save_interval == 0 or s in t.extra_save_steps} | {end}
+    there = sum(1 for p in Path(t.save).glob("iter_*") if p.is_dir()) if Path(t.save).is_dir() else 0
+    if t.keep_last == 0:
+        return len(saves)
+    return max(1, min(len(saves), t.keep_last + 1 - there))
+
+
+def check_room_at_start(trainer, root: Path, files_context) -> None:
+    """Before step 1 (a collective, every rank): refuse a run whose train.save cannot hold one of
+    its checkpoints, summed over the ranks that write to each file system as agree_on_room does,
+    naming the bytes and the ways out; warn when the checkpoints it keeps at once will not fit.
+    The async save's extra copy is in host memory, not on disk: the same bytes."""
+    t = trainer.cfg.train
+    root, tag = Path(root), tag_for(trainer.step)
+    weights_only = not t.save_optimizer
+    mine = measure(trainer, root, tag, weights_only, files_context, keep=weights_only)
+    if not weights_only:
+        mine += adam_state_to_come(trainer)
+    host, device = _file_system(root)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (host, device, free_bytes(root), mine))
+    by_fs: dict = {}
+    for h, d, free, size in everyone:
+        by_fs.setdefault((h, d), [free, 0])[1] += size
+    short = [(free, size) for free, size in by_fs.values() if free is not None and size > free]
+    light = None   # a weights-only checkpoint, for the refusal's way out where it fits
+    if short and not weights_only:
+        light = measure(trainer, root, tag, True, files_context)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (host, device, light))
+        light = max(sum(b for h, d, b in everyone if (h, d) == fs) for fs in by_fs)
+    # DeepSpeed's sizing pass made its (empty) folders there, on each host that writes; the run's
+    # start removed any staging left by a killed save before, so nothing else is in it
+    shutil.rmtree(root / STAGING, ignore_errors=True)
+    dist.barrier()
+    step = trainer.step + 1
+    if short:
+        free, size = short[0]
+        ways = ["Free space there", "set train.save to a folder with room"]
+        if t.reshardable_optimizer:
+            ways.append("set train.reshardable_optimizer=false (its optim/ copy of the optimizer state is "
+                        f"{human_bytes(reshardable_bytes(trainer), exact=False)} of each)")
+        if light is not None and light <= free:
+            ways.append(f"save weights only (train.save_optimizer=false: about {human_bytes(light, exact=False)} "
+                        f"each; they resume with train.load_optimizer=false, Adam afresh)")
+        err = DiskFullError(f"no space left on device for a checkpoint of this run in train.save={root}: one needs "
+                            f"about {human_bytes(size)}, {human_bytes(free)} free there. Refused before step {step}: "
+                            f"nothing was trained or written. {', '.join(ways[:-1])}, or {ways[-1]}.")
+        err.same_on_every_rank = True
+        raise err
+    count = _saves_ahead(trainer)
+    tight = [(free, size) for free, size in by_fs.values() if free is not None and count * size > free]
+    if tight and dist.get_rank() == 0:
+        free, size = tight[0]
+        keep = "every checkpoint is kept (train.keep_last=0)" if t.keep_last == 0 else \
+            f"train.keep_last={t.keep_last} with one more while each new one is written"
+        print(f"warning: train.save={root} has {human_bytes(free, exact=False)} free and this run will hold up to "
+              f"{count} more checkpoints there at once ({keep}), about {human_bytes(count * size, exact=False)}: a "
+              f"later save will fail for want of space unless some is freed; lower train.keep_last, raise "
+              f"train.save_interval, or free space.", file=sys.stderr, flush=True)
 
 
 def _file_system(root: Path) -> tuple[str, int]:

@@ -105,7 +105,7 @@ def read_prompts(path: str) -> list[str]:
     if file.is_dir():
         raise BadOptionError(f"--input-file {path} is a folder: give a file of prompts, one per line (.jsonl: a "
                              f"{{\"prompt\": ...}} object per line).")
-    if not file.is_file():
+    if not file.exists():   # (not is_file(): a pipe, `--input-file <(grep ... prompts.txt)`, is read as a file)
         raise BadOptionError(f"--input-file {path}: no such file.")
     prompts, blank = [], 0
     data = file.read_bytes()

@@ -1,8 +1,12 @@
 """`megatron-id serve`: an OpenAI-compatible completions server (inference/server.py)."""
 from __future__ import annotations
 
+import os
+
 from ..errors import BadOptionError
 from .options import MISMATCH_HELP, add_verify_arg
+
+API_KEY_ENV = "MEGATRON_ID_API_KEY"   # (inference/server.py reads it; named here to check it before any work)
 
 
 def add_parser(sub) -> None:
@@ -52,6 +56,26 @@ def add_parser(sub) -> None:
     sv.set_defaults(func=run)
 
 
+def check_api_key(key: str, where: str, for_none: str) -> None:
+    """Refuse a key that no client can send, so that every request would get 401 (the key itself
+    is never printed): empty or blank (also a variable set from an unset one, KEY=$UNSET, which
+    must not serve without a key), whitespace at either end (HTTP drops it from the header; a
+    newline read from a key file) or a control character (no header can hold one)."""
+    if not key.strip():
+        raise BadOptionError(f"{where} is {'empty' if not key else 'blank (only whitespace)'}: every request would "
+                             f"get 401. Give a key, or {for_none} to serve without one.")
+    if key != key.strip():
+        end = "start" if key[0].isspace() else "end"
+        raise BadOptionError(f"{where} has whitespace at its {end} (a newline read from a key file?): clients cannot "
+                             f"send it (HTTP drops it from the Authorization header), so every request would get "
+                             f"401. Remove it (from a file: \"$(tr -d '[:space:]' < keyfile)\").")
+    bad = next((i for i, c in enumerate(key) if not c.isprintable()), None)
+    if bad is not None:
+        raise BadOptionError(f"{where} holds a control character ({key[bad]!r} at character {bad + 1} of {len(key)}): "
+                             f"no HTTP header can carry it, so every request would get 401. Give a key of "
+                             f"printable characters.")
+
+
 def run(args) -> int:
     """An OpenAI-compatible completions server over continuous batching (inference/server.py)."""
     from ..inference.generate import check_options  # torch: not at import (cli.py)
@@ -65,11 +89,22 @@ def run(args) -> int:
             raise BadOptionError(f"{option} {value}: more than 0.")
     if not args.request_timeout >= 0:
         raise BadOptionError(f"--request-timeout {args.request_timeout}: at least 0 (0: no limit).")
-    if args.api_key is not None and not args.api_key.strip():
-        raise BadOptionError("--api-key is empty: give a key, or leave the flag out for none.")
+    if not 1 / 1024 <= args.max_body_size < float("inf"):   # (inf failed later, an OverflowError traceback)
+        raise BadOptionError(f"--max-body-size {args.max_body_size}: the largest body in MiB, from 0.001 (1 KiB) "
+                             f"to any finite size; default 4.")
+    if args.api_key is not None:
+        check_api_key(args.api_key, "--api-key", "leave the flag out")
+    elif API_KEY_ENV in os.environ:   # (the flag, when given, is the key: the variable is not read)
+        check_api_key(os.environ[API_KEY_ENV], f"${API_KEY_ENV}", "unset it")
+    for name in args.allowed_host or ():   # (matched against the Host header's name: never a scheme or a port)
+        bracketed = name.startswith("[")   # an IPv6 address, [::1], ends with its bracket: no port after it
+        if not name.strip() or "/" in name or (not name.endswith("]") if bracketed else name.count(":") == 1):
+            raise BadOptionError(f"--allowed-host {name!r}: give a host name or address only, without a scheme or "
+                                 f"a port (clients' Host headers are matched on the name), e.g. --allowed-host "
+                                 f"{(name.split('//')[-1].split('/')[0].rsplit(':', 1)[0] or 'example.com')}.")
     if args.max_pending_per_client is not None and args.max_pending_per_client < 1:
         raise BadOptionError(f"--max-pending-per-client {args.max_pending_per_client}: at least 1.")
-    if args.port > 65535 or args.drain_timeout < 0:
+    if args.port > 65535 or not args.drain_timeout >= 0:   # (not >=: nan too)
         raise BadOptionError(f"--port {args.port} / --drain-timeout {args.drain_timeout}: a port up to 65535, "
                              f"a timeout of at least 0 seconds.")
     check_options(0, prefill_chunk_size=args.prefill_chunk_size)

@@ -10,7 +10,7 @@ import sys
 import warnings
 
 from ..allocator import keep_freed_memory
-from ..config import load_config
+from ..config import ConfigError, load_config
 from ..training.launcher import check_devices, check_host, check_nproc, launch, stopped_exit_status
 from .options import add_config_args
 
@@ -33,6 +33,24 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Keys whose empty override (`train.load=$CKPT` with CKPT unset) turns something off without a word
+EMPTY_MEANS = {"train.load": "the run would start from step 1 instead of resuming",
+               "train.save": "no checkpoint would be saved", "train.tensorboard_dir": "TensorBoard would be off",
+               "train.metrics_file": "no metrics file would be written",
+               "train.export_hf_at_end": "nothing would be exported at the end"}
+
+
+def refuse_empty_overrides(overrides) -> None:
+    """`key=` of EMPTY_MEANS, before any work: the shell gives it for an unset variable, and the
+    schema reads an empty value as unset."""
+    for item in overrides:
+        key, _, value = str(item).partition("=")
+        if key in EMPTY_MEANS and not value.strip():
+            raise ConfigError(f"override '{item}' has an empty value (an unset shell variable?), so {key} would be "
+                              f"unset: {EMPTY_MEANS[key]}. Give its value, or leave the override out (or write "
+                              f"{key}=null) to leave it unset on purpose.")
+
+
 def run(args) -> int:
     # SIGTERM / SIGUSR1 during the minutes of imports and setup must not kill the rank (their
     # default action): note them, and the trainer stops at its first step boundary
@@ -40,6 +58,7 @@ def run(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: early_stop.append(signum))
     keep_freed_memory()   # glibc keeps freed blocks: ~1.5x on CPU steps (allocator.py)
+    refuse_empty_overrides(args.overrides)
     if args.nproc is not None:
         check_nproc(args.nproc)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")

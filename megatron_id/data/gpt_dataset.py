@@ -13,10 +13,11 @@
   its weight, as Megatron does (a loop in C: csrc/blend_index.c).
 - `PretrainingSampler` resumes from a number of consumed samples: the order after resuming is
   the order without interruption.
-- `check_data(data_path, split, seq_length, vocab_size, cache_dir, verify)` is the cheap check
-  the trainer runs before starting (no index is built): every prefix exists, every train split
-  can make a sample, every token id fits the model's vocabulary (the sidecar's range, or a scan
-  remembered in the cache folder for data without one) and the .bin matches the checksums its
+- `check_data(data_path, split, seq_length, vocab_size, cache_dir, verify, tokenizer)` is the cheap
+  check the trainer runs before starting (no index is built): every prefix exists, every train
+  split can make a sample, every token id fits the model's vocabulary and the tokenizer that made
+  it (data.tokenizer, else the sidecar's; the sidecar's range, or a scan remembered in the cache
+  folder for data without one) and the .bin matches the checksums its
   sidecar recorded (a few chunks, or all with verify="full"). Its errors are DataConfigError,
   the same on every rank.
 - `check_batch_token_ids` checks every batch as it is read: an id the model cannot embed stops
@@ -35,8 +36,16 @@ import numpy as np
 
 from ..errors import UserError
 from .index_cache import BuildSession, cached_arrays
-from .indexed_dataset import (SAMPLED_CHUNKS, IndexedDataset, IndexedDatasetError, matching_meta,
-                              resolve_prefix, token_id_report, verify_bin)
+from .indexed_dataset import (
+    SAMPLED_CHUNKS,
+    IndexedDataset,
+    IndexedDatasetError,
+    KnownTokenizer,
+    matching_meta,
+    resolve_prefix,
+    token_id_report,
+    verify_bin,
+)
 from .sample_index import build_blending_index, build_sample_index, epochs_needed, estimate_seconds
 
 # 2: arrays in the smallest integer type, doc_idx cut after the last document read (same values)
@@ -326,20 +335,37 @@ def _build_gpt_datasets(blend, split, num_samples, seq_length, seed, cache_dir, 
     return tuple(out)
 
 
+def data_tokenizer(path) -> KnownTokenizer | None:
+    """data.tokenizer as the data checks know it: its name as set and its number of tokens
+    (None when unset). A missing or broken file is one error line naming it."""
+    if not path:
+        return None
+    from .tokenizer import TokenizerError, size_of_file, tokenizer_file
+    try:
+        size = size_of_file(path)
+    except TokenizerError as err:   # its words name the command-line flag: say which setting it is
+        raise TokenizerError(f"data.tokenizer={path}: " + str(err).replace("(--tokenizer)", "(data.tokenizer)")) \
+            from None
+    return KnownTokenizer(f"data.tokenizer={path}", size, str(tokenizer_file(path)))
+
+
 def check_contents(prefix, vocab_size: int, cache_dir=None, verify: Verify | str = Verify.sample, chunks: int = 1,
-                   what: str = "") -> bool:
-    """The contents of one dataset before training: every token id below `vocab_size` (the
-    sidecar's range; without a sidecar a scan, remembered in `cache_dir` so the next launch does
-    not scan again) and, per `verify`, the .bin against its sidecar's checksums (`chunks` random
-    chunks, or all). Raises DataConfigError (`what` first, naming the setting); returns whether
-    the sidecar holds checksums."""
+                   what: str = "", tokenizer: KnownTokenizer | None = None) -> bool:
+    """The contents of one dataset before training: every token id below `vocab_size` and below
+    the size of the tokenizer that made it (`tokenizer`: data.tokenizer, else the one its
+    sidecar records; indexed_dataset.token_id_report) (the sidecar's range; without a sidecar a
+    scan, remembered in `cache_dir` so the next launch does not scan again) and, per `verify`,
+    the .bin against its sidecar's checksums (`chunks` random chunks, or all). Raises
+    DataConfigError (`what` first, naming the setting); returns whether the sidecar holds
+    checksums."""
     verify = Verify(verify)
     ds = IndexedDataset(prefix)
     full = verify == Verify.full
     summed = isinstance((matching_meta(ds) or {}).get("checksum"), dict)
     problems = verify_bin(ds, full=full, chunks=chunks, rng=random.Random()) if summed and verify != Verify.none else []
     if not problems:   # (bytes that match their checksums hold the sidecar's id range: no scan needed)
-        _, problems = token_id_report(ds, vocab_size, scan=full and not summed, scan_cache=cache_dir)
+        _, problems = token_id_report(ds, vocab_size, scan=full and not summed, scan_cache=cache_dir,
+                                      tokenizer=tokenizer)
     if problems:
         raise DataConfigError(what + problems[0])
     return summed
@@ -355,13 +381,16 @@ def _say_unchecked(prefixes: list[str], verify: Verify) -> None:
 
 
 def check_data(data_path, split, seq_length: int, vocab_size: int, cache_dir=None,
-               verify: Verify | str = Verify.sample) -> None:
+               verify: Verify | str = Verify.sample, tokenizer: str | None = None) -> None:
     """Cheap checks before training (no index is built): every prefix of `data_path` exists,
     the train split of every prefix with a positive weight has documents and at least
-    seq_length + 1 tokens, every token id is below `vocab_size`, and the .bin files match their
-    sidecars' checksums (check_contents; about SAMPLED_CHUNKS chunks in all with verify="sample").
-    Raises DataConfigError (same_on_every_rank) naming the prefix, the value and the fix."""
+    seq_length + 1 tokens, every token id is below `vocab_size` and below the size of the
+    tokenizer (data.tokenizer's file `tokenizer`, else the one each sidecar records), and the
+    .bin files match their sidecars' checksums (check_contents; about SAMPLED_CHUNKS chunks in
+    all with verify="sample"). Raises DataConfigError (same_on_every_rank) naming the prefix,
+    the value and the fix."""
     verify = Verify(verify)
+    known = data_tokenizer(tokenizer)
     blend = parse_data_path(data_path)
     parse_split(split)
     repeated = repeated_prefixes(data_path)
@@ -390,7 +419,8 @@ def check_data(data_path, split, seq_length: int, vocab_size: int, cache_dir=Non
                     f"{seq_length + 1:,} needed for one sample: use more data, a larger train share "
                     f"or a smaller model.seq_length.")
         try:
-            if not check_contents(indexed.prefix, vocab_size, cache_dir, verify, max(1, SAMPLED_CHUNKS // len(blend))):
+            if not check_contents(indexed.prefix, vocab_size, cache_dir, verify, max(1, SAMPLED_CHUNKS // len(blend)),
+                                  tokenizer=known):
                 unchecked.append(str(indexed.prefix))
         except IndexedDatasetError as err:
             raise DataConfigError(str(err)) from None
@@ -398,11 +428,12 @@ def check_data(data_path, split, seq_length: int, vocab_size: int, cache_dir=Non
 
 
 def check_valid_set(name: str, data_path, seq_length: int, vocab_size: int, cache_dir=None,
-                    verify: Verify | str = Verify.sample) -> None:
+                    verify: Verify | str = Verify.sample, tokenizer: str | None = None) -> None:
     """data.valid_sets.<name> before training: its prefixes exist, each holds a sample
-    (seq_length + 1 tokens), every token id is below `vocab_size` and the .bin files match their
-    checksums (check_contents)."""
+    (seq_length + 1 tokens), every token id is below `vocab_size` and the tokenizer's size (as
+    check_data) and the .bin files match their checksums (check_contents)."""
     verify = Verify(verify)
+    known = data_tokenizer(tokenizer)
     key = f"data.valid_sets.{name}"
     try:
         blend = parse_data_path(data_path)
@@ -420,7 +451,7 @@ def check_valid_set(name: str, data_path, seq_length: int, vocab_size: int, cach
                                   f"= {seq_length + 1:,} needed for one sample: give a larger held-out set.")
         try:
             if not check_contents(indexed.prefix, vocab_size, cache_dir, verify, max(1, SAMPLED_CHUNKS // len(blend)),
-                                  what=f"{key}: "):
+                                  what=f"{key}: ", tokenizer=known):
                 unchecked.append(str(indexed.prefix))
         except IndexedDatasetError as err:
             raise DataConfigError(f"{key}: {err}") from None

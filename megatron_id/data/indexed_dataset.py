@@ -41,7 +41,9 @@ token table); sidecars written before it was recorded lack the key, and read as 
 
 `check_token_ids(prefix, vocab_size)` uses it (or scans the .bin when it is missing or stale)
 so that a model whose vocabulary is too small for the data fails before training instead of
-training on ids it cannot embed.
+training on ids it cannot embed, and so that ids the data's tokenizer cannot produce (at or
+above its size: the tokenizer the caller names, else the one the sidecar records) are refused
+whatever the model's vocabulary: they are another tokenizer's ids, or damage.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ import struct
 import sys
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -89,9 +92,10 @@ def resolve_prefix(path: str | os.PathLike) -> Path:
     """Accept `prefix`, `prefix.bin`, `prefix.idx`, or the prefix without `_text_document`;
     return the prefix whose two files exist, or fail naming every pair looked for."""
     text = str(path)
-    for ext in (".bin", ".idx"):
+    for ext in (".bin", ".idx", ".meta.json"):   # any of the dataset's own files names it
         if text.endswith(ext):
             text = text[: -len(ext)]
+            break
     candidates = [text] if text.endswith(DOCUMENT_SUFFIX) else [text, text + DOCUMENT_SUFFIX]
     for prefix in candidates:
         if Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file():
@@ -100,8 +104,30 @@ def resolve_prefix(path: str | os.PathLike) -> Path:
     found = [f for p in candidates for f in (p + ".bin", p + ".idx") if Path(f).is_file()]
     extra = f" (only {', '.join(found)} exists)" if found else ""
     raise IndexedDatasetError(
-        f"no indexed dataset at '{path}': looked for {looked}{extra}. Pass the output prefix of "
-        f"preprocessing, e.g. my_corpus_text_document (with or without .bin/.idx).")
+        f"no indexed dataset at '{path}': looked for {looked}{extra}. {_what_was_given(Path(path))}")
+
+
+def _what_was_given(path: Path) -> str:
+    """The fix for a path that names no dataset: a folder's datasets, the preprocessing of a
+    document file given instead of its dataset, else the form of a prefix."""
+    if path.is_dir():
+        inside = sorted(str(p)[: -len(".idx")] for p in path.glob("*.idx") if p.with_suffix(".bin").is_file())
+        if inside:
+            shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+            return (f"It is a folder: name one of its datasets ({shown}), or blend them with weights "
+                    f"(w1 p1 w2 p2 ...).")
+        return "It is a folder holding no .bin/.idx pair: pass the output prefix of preprocessing."
+    doubled = Path(f"{path}{DOCUMENT_SUFFIX}.bin")
+    if str(path).endswith(DOCUMENT_SUFFIX) and doubled.is_file():
+        return (f"{doubled} exists: the data was preprocessed with an --output-prefix that already ended in "
+                f"{DOCUMENT_SUFFIX}. Pass {str(doubled)[:-4]}, or rename its three files to {path}.*")
+    name = path.name.lower()
+    if path.is_file() and name.endswith((".jsonl", ".json", ".parquet", ".txt", ".gz", ".zst", ".ndjson")):
+        out = path.parent / name.split(".")[0]
+        return (f"It is a document file, not a preprocessed dataset: tokenize it first, e.g. python -m "
+                f"data_tools.preprocess --input {path} --tokenizer tokenizer.json --output-prefix {out} "
+                f"--append-eod, then pass {out}{DOCUMENT_SUFFIX}.")
+    return "Pass the output prefix of preprocessing, e.g. my_corpus_text_document (with or without .bin/.idx)."
 
 
 def meta_path(prefix: str | os.PathLike) -> Path:
@@ -570,8 +596,60 @@ def verify_bin(ds: IndexedDataset, full: bool = False, chunks: int = 1, rng: ran
             f"re-create it with data_tools.preprocess, or restore it from the original copy."]
 
 
+class KnownTokenizer(NamedTuple):
+    """The tokenizer the data must have been made with, as the caller knows it: `label` names it
+    as the user gave it ("data.tokenizer=gpt2/tokenizer.json"), `size` is its number of tokens
+    (added tokens included), `path` its file when known. An id at or above `size` cannot come
+    from any text it encodes."""
+    label: str
+    size: int
+    path: str | None = None
+
+
+def ids_at_or_above(ds: IndexedDataset, limit: int, chunk_tokens: int = SCAN_CHUNK_TOKENS) -> dict:
+    """Where the ids >= `limit` of a dataset are, for an error message (one bounded-memory pass):
+    {"count", "values" (up to 4 distinct, sorted), "document", "sequence", "offset" (of the
+    first one), "per" (tokens per such id, rounded)}."""
+    count, values, first = 0, set(), None
+    for start in range(0, ds.num_tokens, chunk_tokens):
+        n = min(chunk_tokens, ds.num_tokens - start)
+        part = np.memmap(ds.bin_path, mode="r", dtype=ds.dtype, offset=start * ds.dtype.itemsize, shape=(n,))
+        where = np.flatnonzero(part >= limit)
+        if where.size:
+            count += int(where.size)
+            if first is None:
+                first = start + int(where[0])
+            if len(values) < 4:
+                values.update(int(v) for v in np.unique(part[where[:100_000]])[:4])
+        del part
+    out = {"count": count, "values": sorted(values)[:4], "document": None, "sequence": None, "offset": None,
+           "per": round(ds.num_tokens / count) if count else None}
+    if first is not None:
+        ends = np.cumsum(ds.lengths, dtype=np.int64)
+        sequence = int(np.searchsorted(ends, first, side="right"))
+        out.update(sequence=sequence, offset=first - (int(ends[sequence - 1]) if sequence else 0),
+                   document=int(np.searchsorted(ds.document_index, sequence, side="right")) - 1)
+    return out
+
+
+def _describe_ids_at_or_above(ds: IndexedDataset, limit: int) -> str:
+    """'3,567 of its 178,330 ids (1 in 50; values 60,000 only) are 50,257 or more, the first in
+    document 0 (token 12)'."""
+    found = ids_at_or_above(ds, limit)
+    if not found["count"]:
+        return ""
+    shown = ", ".join(f"{v:,}" for v in found["values"])
+    values = f"values {shown} only" if len(found["values"]) < 4 else f"values such as {shown}"
+    where = f"document {found['document']:,}" if len(ds.document_index) - 1 == len(ds) else \
+        f"document {found['document']:,} (sequence {found['sequence']:,})"
+    verb = "are" if found["count"] > 1 else "is"
+    return (f"{found['count']:,} of its {ds.num_tokens:,} ids (1 in {found['per']:,}; {values}) {verb} "
+            f"{limit:,} or more, the first in {where}, token {found['offset']:,}")
+
+
 def token_id_report(ds: IndexedDataset, vocab_size: int | None = None, *, scan: bool = False,
-                    what: str = "model.vocab_size", scan_cache=None) -> tuple[dict, list[str]]:
+                    what: str = "model.vocab_size", scan_cache=None, tokenizer: KnownTokenizer | None = None,
+                    tokenizer_option: str = "data.tokenizer") -> tuple[dict, list[str]]:
     """The token-id range of a dataset and the problems found with it.
 
     Uses the sidecar when it matches the pair (same dtype, number of tokens and sequences) and
@@ -579,9 +657,16 @@ def token_id_report(ds: IndexedDataset, vocab_size: int | None = None, *, scan: 
     scan is remembered there (keyed by the files' size and modification time) and a later call
     reads it instead of scanning again (source "scan cache"). Problems: the sidecar's dtype differs from the .idx
     dtype code (the index was written or patched with the wrong code, e.g. int16 over uint16
-    data, whose ids above 32767 then read as negative), a negative id, an id at or above
+    data, whose ids above 32767 then read as negative), a negative id, an id at or above the
+    size of the tokenizer the data was made with (`tokenizer`, given by the caller as
+    `tokenizer_option` names it, else the vocabulary its sidecar records), an id at or above
     `vocab_size` (named `what` in the message), and a scanned range that contradicts the
-    sidecar. Returns ({"min", "max", "source", "vocab_size", "meta"}, problems)."""
+    sidecar. Returns ({"min", "max", "source", "vocab_size", "meta"}, problems).
+
+    An id the tokenizer cannot produce is refused whatever `vocab_size` is: a model.vocab_size
+    padded above the tokenizer (50304 for GPT-2's 50257) leaves room for such ids, and raising it
+    would only train on damage. The advice puts the likely causes first (data of another
+    tokenizer, a damaged .bin); raising `what` is offered only where no tokenizer is known."""
     problems = []
     meta = matching_meta(ds)
     meta_file = meta_path(ds.prefix)
@@ -615,28 +700,68 @@ def token_id_report(ds: IndexedDataset, vocab_size: int | None = None, *, scan: 
                         f"dtype code in {ds.idx_path}): the .idx dtype code is wrong (an int16 "
                         f"index over uint16 data?) or the file is corrupt. Re-create the pair with "
                         f"data_tools.preprocess.")
-    if vocab_size is not None and high is not None and high >= vocab_size:
-        need = max(high + 1, known_vocab or 0)
-        why = (f"the tokenizer's vocabulary, recorded in {meta_file}" if known_vocab
-               else "the largest id in the data + 1; use the vocabulary size of the tokenizer "
-                    "that made it")
-        problems.append(f"{ds.bin_path} holds token id {high} but {what}={vocab_size}: set "
-                        f"{what} to at least {need} ({why}), or preprocess the data with the "
-                        f"tokenizer the model is meant for.")
+    recorded = None   # the tokenizer the sidecar records, as the user can find it
+    if isinstance(known_vocab, int) and known_vocab > 0:
+        path = meta.get("tokenizer")
+        recorded = KnownTokenizer(f"the tokenizer{f' ({path})' if path else ''} recorded in {meta_file}",
+                                  known_vocab, path)
+    known = tokenizer or recorded
+    if known is not None and high is not None and high >= known.size:
+        problems.append(_impossible_ids(ds, high, known, recorded if tokenizer else None, tokenizer_option, what))
+    elif vocab_size is not None and high is not None and high >= vocab_size:
+        if known is not None:   # a real id of the tokenizer: the model's table is too small
+            why = ("the tokenizer's vocabulary, recorded in " + str(meta_file)) if known is recorded else \
+                f"the vocabulary of {known.label}"
+            problems.append(f"{ds.bin_path} holds token id {high} but {what}={vocab_size}: set {what} to at "
+                            f"least {known.size} ({why}), or preprocess the data with the tokenizer the model "
+                            f"is meant for.")
+        else:
+            problems.append(_unexplained_ids(ds, high, vocab_size, what, tokenizer_option))
     info = {"min": low, "max": high, "source": source, "vocab_size": known_vocab,
             "meta": meta if matches else None}
     return info, problems
 
 
-def check_token_ids(prefix, vocab_size: int, scan_cache=None) -> dict:
+def _impossible_ids(ds: IndexedDataset, high: int, known: KnownTokenizer, recorded: KnownTokenizer | None,
+                    option: str, what: str) -> str:
+    """Ids at or above the tokenizer's size: no text it encodes gives them."""
+    found = _describe_ids_at_or_above(ds, known.size)
+    other = (f" (its sidecar records {recorded.path or 'a tokenizer'} of {recorded.size:,} tokens)"
+             if recorded is not None and recorded.size != known.size else "")
+    remake = f"data_tools.preprocess --tokenizer {known.path}" if known.path else "data_tools.preprocess"
+    # (said to training, not to inspect --check, which is that command)
+    inspect = "" if option.startswith("--") else f" (python -m data_tools.inspect {ds.prefix} --check shows its ids)"
+    return (f"{ds.bin_path} holds token ids that {known.label} cannot produce: it has {known.size:,} tokens "
+            f"(ids 0..{known.size - 1:,}), and {found or f'the largest id is {high:,}'}. Either the data was made "
+            f"with another tokenizer{other}: set {option} to the tokenizer that made it, or preprocess the text "
+            f"again with this one ({remake}); or the .bin is damaged: re-create it, or restore it from the "
+            f"original copy{inspect}. A larger {what} would not help: it would train on ids no text makes with "
+            f"this tokenizer.")
+
+
+def _unexplained_ids(ds: IndexedDataset, high: int, vocab_size: int, what: str, option: str) -> str:
+    """Ids at or above the model's vocabulary, with no tokenizer known to tell real ids from damage."""
+    found = _describe_ids_at_or_above(ds, vocab_size)
+    return (f"{ds.bin_path} holds token id {high} but {what}={vocab_size}: {found or 'it is the largest'}. No "
+            f"tokenizer is known to tell whether such ids are real ({option} is not given, and "
+            f"{meta_path(ds.prefix)} does not exist or records none): either the data was made with a tokenizer "
+            f"of more than {vocab_size:,} tokens, then set {option} to it (its size is checked against the ids "
+            f"and {what}); or the .bin is damaged, then re-create it with data_tools.preprocess or restore it "
+            f"from the original copy. Set {what} to at least {high + 1} (the largest id in the data + 1) only "
+            f"when the tokenizer that made the data has that many tokens: otherwise the model trains on ids no "
+            f"text makes.")
+
+
+def check_token_ids(prefix, vocab_size: int, scan_cache=None, tokenizer: KnownTokenizer | None = None) -> dict:
     """Make sure every token id of the dataset at `prefix` fits a model vocabulary of
-    `vocab_size` (and none is negative) before training on it; cheap when the `.meta.json`
+    `vocab_size` and the tokenizer that made it (`tokenizer`, else the one its sidecar records),
+    and none is negative, before training on it; cheap when the `.meta.json`
     sidecar matches the pair, else one bounded-memory scan of the .bin (remembered in
     `scan_cache` for the next launch). Raises IndexedDatasetError naming the file, the value and
     the fix; returns {"min", "max", "source" ("sidecar", "scan" or "scan cache"), "vocab_size"
     (recorded, or None), "meta"}."""
     ds = IndexedDataset(prefix)
-    info, problems = token_id_report(ds, vocab_size, scan_cache=scan_cache)
+    info, problems = token_id_report(ds, vocab_size, scan_cache=scan_cache, tokenizer=tokenizer)
     if problems:
         raise IndexedDatasetError(problems[0])
     return info

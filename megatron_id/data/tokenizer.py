@@ -57,17 +57,46 @@ def null_tokenizer_identity(vocab_size: int) -> str:
     return f"null:{vocab_size}"
 
 
-_IDENTITY_OF_FILE: dict = {}
+_FACTS_OF_FILE: dict = {}
+
+
+def _facts_of_file(path) -> tuple[str, int]:
+    """(identity, number of tokens with the added ones) of the tokenizer.json at `path` (a file
+    or a folder holding one), loaded once per file version: the training checks ask both before
+    any work, and a load of GPT-2's tokenizer.json takes ~0.2 s. A missing or broken file raises
+    load_tokenizer's one-line error naming it."""
+    p = Path(path)
+    file = (p / "tokenizer.json" if p.is_dir() else p).resolve()
+    if not file.is_file():
+        load_tokenizer(str(path))   # raises the error naming what was looked for
+    stat = file.stat()
+    key = (str(file), stat.st_mtime_ns, stat.st_size)
+    if key not in _FACTS_OF_FILE:
+        tokenizer = load_tokenizer(str(file))
+        _FACTS_OF_FILE[key] = (tokenizer_identity(tokenizer), tokenizer.get_vocab_size(with_added_tokens=True))
+    return _FACTS_OF_FILE[key]
+
+
+def identity_of_loaded(tokenizer, file) -> str:
+    """The identity of `tokenizer`, just loaded from the tokenizer.json `file`: computed once per
+    file version (hashing GPT-2's table takes ~0.3 s, and the tests preprocess with one file many
+    times in one process), and remembered for identity_of_file / size_of_file."""
+    file = Path(file).resolve()
+    stat = file.stat()
+    key = (str(file), stat.st_mtime_ns, stat.st_size)
+    if key not in _FACTS_OF_FILE:
+        _FACTS_OF_FILE[key] = (tokenizer_identity(tokenizer), tokenizer.get_vocab_size(with_added_tokens=True))
+    return _FACTS_OF_FILE[key][0]
 
 
 def identity_of_file(path) -> str:
     """The identity of the tokenizer.json at `path` (loaded once per file version)."""
-    p = Path(path).resolve()
-    stat = p.stat()
-    key = (str(p), stat.st_mtime_ns, stat.st_size)
-    if key not in _IDENTITY_OF_FILE:
-        _IDENTITY_OF_FILE[key] = tokenizer_identity(load_tokenizer(str(p)))
-    return _IDENTITY_OF_FILE[key]
+    return _facts_of_file(path)[0]
+
+
+def size_of_file(path) -> int:
+    """The number of tokens (added tokens included) of the tokenizer.json at `path`."""
+    return _facts_of_file(path)[1]
 
 
 def dataset_tokenizer(prefix) -> tuple[str | None, str | None]:
@@ -139,7 +168,7 @@ def load_tokenizer(path=None, vocab_file=None, merge_file=None):
         try:
             return Tokenizer.from_file(str(file))
         except Exception as err:
-            raise TokenizerError(f"{file} is not a valid HF tokenizer.json: {err}") from None
+            raise TokenizerError(f"{file} is not a valid HF tokenizer.json: {_what_file(file) or err}") from None
     if vocab_file and merge_file:
         from tokenizers import decoders, models, pre_tokenizers
         for f in (vocab_file, merge_file):
@@ -160,6 +189,31 @@ def load_tokenizer(path=None, vocab_file=None, merge_file=None):
         return tok
     raise TokenizerError("no tokenizer given: pass --tokenizer tokenizer.json (or "
                          "--vocab-file and --merge-file).")
+
+
+def _what_file(file: Path) -> str | None:
+    """What a file given as a tokenizer.json is instead, with the way to a tokenizer.json, when it
+    is one half of GPT-2's vocab.json + merges.txt (the files Megatron's GPT2BPETokenizer takes)."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return None
+    make = ("python -c \"from megatron_id.data.tokenizer import load_tokenizer; load_tokenizer(vocab_file="
+            "'vocab.json', merge_file='merges.txt').save('tokenizer.json')\" makes one from the pair "
+            "(data_tools.preprocess also takes them as --vocab-file and --merge-file)")
+    if head.lstrip().startswith(b"#version") or (b"\n" in head and not head.lstrip().startswith((b"{", b"["))
+                                                and all(len(line.split()) == 2 for line in head.splitlines()[1:5])):
+        return f"it is a GPT-2 style merges.txt (one merge per line), not a tokenizer.json; {make}"
+    if head.lstrip().startswith(b"{"):
+        try:
+            table = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if isinstance(table, dict) and table and all(isinstance(v, int) for v in table.values()):
+            return (f"it is a GPT-2 style vocab.json (token -> id, {len(table):,} tokens), which needs its "
+                    f"merges.txt to tokenize, not a tokenizer.json; {make}")
+    return None
 
 
 def byte_decoder() -> dict[str, int]:

@@ -113,22 +113,103 @@ class NotAnExportError(UserError, ValueError):
 
 # ------------------------------------------------------------------ reading exports
 
+# a folder's kind, for a refusal's advice (folder_kind): what our exports alone hold, and what a
+# transformers model folder holds (weights saved by save_pretrained, a hub download's files)
+EXPORT_SIGNS = ("megatron_id_model.py", *CODE_FILES)
+TRANSFORMERS_SIGNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "tokenizer.json",
+                      "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "generation_config.json")
+HF_FOLDERS = ("a folder written by megatron-id export-hf, or a transformers folder (save_pretrained) of a "
+              f"{', '.join(ARCHITECTURES)} model")
+
+
+def folder_kind(folder: Path) -> tuple[str | None, list[str]]:
+    """What `folder` (given as a Hugging Face folder) looks like, by its files, with the files
+    that say so: "export" (our bundled code, or a manifest listing it), "checkpoint" (a train.save
+    or iter_ folder), "transformers" (weights or tokenizer files of a transformers model), "empty",
+    or None (none of these)."""
+    from ..checkpoint.files import CLIENT_STATE
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "empty", []
+    ours = [n for n in names if n in EXPORT_SIGNS]
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+        ours += [n for n in EXPORT_SIGNS if n in listed and n not in ours]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass   # no manifest, or not one of ours: the other signs decide
+    if ours:
+        return "export", ours
+    training = [n for n in names if n in ("latest", CLIENT_STATE) or (n.startswith("iter_") and (folder / n).is_dir())]
+    if training:
+        return "checkpoint", training
+    weights = sorted({p.name for pattern in TRANSFORMERS_SIGNS for p in folder.glob(pattern)})
+    if weights:
+        return "transformers", weights
+    return None, names
+
+
+def _advice(folder: Path) -> str:
+    """The fix for a Hugging Face folder whose config.json is missing or damaged, fitted to the
+    folder's kind (folder_kind)."""
+    kind, files = folder_kind(folder)
+    if kind == "export":
+        return (f"It is an export of megatron-id (it holds {_some(files)}): export the checkpoint again with "
+                f"megatron-id export-hf, or restore config.json from a copy.")
+    if kind == "transformers":
+        return (f"It is a transformers model's folder (it holds {_some(files)}): config.json describes the model, "
+                f"and transformers' save_pretrained writes it beside the weights; copy config.json from the model's "
+                f"hub page (Files) into {folder}, or save the model again with save_pretrained.")
+    return f"Give {HF_FOLDERS}."
+
+
 def read_export_config(folder):
-    """An exported folder's config.json and ModelConfig, checked before any weight is read."""
+    """An exported folder's config.json and ModelConfig, checked before any weight is read.
+    (A folder without config.json, or not a folder, reaches here from import-hf only: generate
+    and eval read an export by its config.json. The advice fits what the folder holds.)"""
     folder = Path(folder)
     fix = "Give a folder written by megatron-id export-hf (or export the checkpoint again)."
     path = folder / "config.json"
     if not folder.exists():
-        raise NotAnExportError(f"{folder} does not exist. {fix}")
+        raise NotAnExportError(f"{folder} does not exist. Give {HF_FOLDERS}.")
     if not folder.is_dir():
-        raise NotAnExportError(f"{folder} is a file, not an exported folder. {fix}")
+        raise NotAnExportError(f"{folder} is a file, not a folder. Give {HF_FOLDERS}.")
     if not path.is_file():
-        raise NotAnExportError(f"{folder} is not a megatron_id export: it has no config.json. {fix}")
+        kind, files = folder_kind(folder)
+        if kind == "checkpoint":
+            # train.load takes the train.save folder (the one with `latest`)
+            root = folder.parent if not (folder / "latest").is_file() and (folder.parent / "latest").is_file() \
+                else folder
+            raise NotAnExportError(
+                f"{folder} is a training checkpoint (it holds {_some(files)}), not a Hugging Face folder: it needs no "
+                f"import. Train from it with train.load={root} (it loads at any layout), or export it with "
+                f"megatron-id export-hf.")
+        if kind == "empty":
+            raise NotAnExportError(f"{folder} is empty. Give {HF_FOLDERS}.")
+        if kind is None:
+            raise NotAnExportError(f"{folder} has no config.json and holds neither weights nor a checkpoint (it "
+                                   f"holds {_some(files)}). Give {HF_FOLDERS}.")
+        raise NotAnExportError(f"{folder} has no config.json. {_advice(folder)}")
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise NotAnExportError(f"{path} is not valid JSON ({err}). {fix}") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise NotAnExportError(f"{path} is not text (not UTF-8): it was overwritten. {_advice(folder)}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        what = "empty" if not text.strip() else \
+            f"truncated or not valid JSON at line {err.lineno} column {err.colno} ({err.msg})"
+        raise NotAnExportError(f"{path} is {what}. {_advice(folder)}") from None
+    if not isinstance(config, dict):
+        raise NotAnExportError(f"{path} is not a JSON object (it holds a {type(config).__name__}). "
+                               f"{_advice(folder)}")
+    model_type = config.get("model_type")
+    if model_type == "megatron_id" and not isinstance(config.get("model"), dict):
+        kind, files = folder_kind(folder)
+        if kind == "transformers":   # a transformers folder whose config.json says ours
+            raise NotAnExportError(
+                f"{path} says model_type 'megatron_id', but {folder} is a transformers model's folder (it holds "
+                f"{_some(files)}, no export code and no `model` section): set model_type and architectures in "
+                f"config.json to the model's own (e.g. \"llama\", [\"LlamaForCausalLM\"]).")
     if model_type != "megatron_id":
         pretrained = transformers_config(folder)
         if pretrained is not None and set(pretrained.get("architectures") or []) & set(ARCHITECTURES):

@@ -7,9 +7,12 @@ rotate_half), SwiGLU, RMSNorm in float32, grouped-query attention (model.n_kv_he
 Qwen2's q/k/v biases (model.qkv_bias). `transformers_model_config` maps config.json to a
 ModelConfig and refuses, naming the config.json field, what this model cannot express (RoPE
 scaling, sliding windows, MLP or output-projection biases, another activation or head width),
-before any weight is read. `TransformersWeights` reads the safetensors files (one, or shards
-named by model.safetensors.index.json) memory-mapped, and gives each TP rank of the checkpoint
-to write only its own rows or columns, one rank at a time, in float32.
+before any weight is read. `TransformersWeights` reads the safetensors files (model.safetensors,
+else the shards model.safetensors.index.json names: transformers' order) memory-mapped, and
+gives each TP rank of the checkpoint to write only its own rows or columns, one rank at a time,
+in float32. Every tensor of those files is read or named in a refusal with the config.json
+field that disagrees (`sources`): a tensor left out would make a model whose logits are not the
+source's.
 
 Name mapping (HF -> ours):
     model.embed_tokens.weight                       embed.weight
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -91,9 +95,13 @@ def architecture(config: dict, path: Path) -> str:
     if len(found) == 1:
         return found[0]
     what = f"architectures {named}" if named else f"model_type {config.get('model_type')!r} and no architectures"
+    # LlamaModel & co: what AutoModel saves, the decoder without its LM head
+    headless = [a for a in named if isinstance(a, str) and a.removesuffix("Model") + "ForCausalLM" in ARCHITECTURES]
+    hint = (f" ({headless[0]} is the decoder without its LM head, as AutoModel saves it: save the model with "
+            f"AutoModelForCausalLM instead)") if headless else ""
     raise UnsupportedModelError(f"{path} names {what}: import-hf reads exports of megatron-id and the "
-                                f"transformers architectures {_accepted()} (Llama-style decoders); nothing was "
-                                f"written.")
+                                f"transformers architectures {_accepted()} (Llama-style decoders){hint}; nothing "
+                                f"was written.")
 
 
 def transformers_model_config(folder: Path, config: dict) -> ModelConfig:
@@ -212,64 +220,108 @@ class TransformersWeights:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         fix = "save the model again with transformers' save_pretrained (safetensors)"
+        again = "download it again (or copy it from the model's hub page)"
         index = self.folder / INDEX
-        if index.is_file():
+        if (self.folder / SINGLE).is_file():
+            # what transformers' from_pretrained reads when it is there, whatever else is: an
+            # index beside it is of another save, and its shards are not the model
+            files = None
+            if index.is_file():
+                print(f"note: {self.folder} holds both {SINGLE} and {INDEX} (two saves): {SINGLE} is read, as "
+                      f"transformers' from_pretrained reads it; remove the files of the other save to silence "
+                      f"this.", file=sys.stderr, flush=True)
+        elif index.is_file():
             try:
                 files = json.loads(index.read_text())["weight_map"]
                 files = {str(k): str(v) for k, v in files.items()}
             except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-                raise UnsupportedModelError(f"{index} is not a safetensors index (no weight_map): {fix}; nothing "
+                raise UnsupportedModelError(f"{index} is not a safetensors index (no weight_map): {again}; nothing "
                                             f"was written.") from None
-        elif (self.folder / SINGLE).is_file():
-            files = None
         else:
+            shards = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if shards:   # shards without the index that says which tensor each holds
+                raise UnsupportedModelError(f"{self.folder} has {', '.join(shards[:3])} but no {INDEX}, which names "
+                                            f"the tensors each shard holds: copy {INDEX} from the model's hub page "
+                                            f"into {self.folder}; nothing was written.")
             others = sorted(p.name for p in self.folder.glob("*.bin")) + sorted(p.name for p in
                                                                                self.folder.glob("*.pth"))
             also = f" (it has {', '.join(others[:3])}: pickled weights are not read)" if others else ""
             raise UnsupportedModelError(f"{self.folder} has neither {SINGLE} nor {INDEX}{also}: {fix}; nothing "
                                         f"was written.")
-        self.handles, self.where = {}, {}
+        self.handles, self.where, stray = {}, {}, []
         names = sorted(set(files.values())) if files is not None else [SINGLE]
         for name in names:
             path = self.folder / name
             if not path.is_file():
                 raise UnsupportedModelError(f"{path} is missing ({INDEX} names it): the folder is incomplete; "
-                                            f"nothing was written.")
+                                            f"{again}; nothing was written.")
             try:
                 handle = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as err:
-                raise UnsupportedModelError(f"{path} is damaged ({err}): it was truncated or overwritten; "
+                raise UnsupportedModelError(f"{path} is damaged ({err}): it was truncated or overwritten; {again}; "
                                             f"nothing was written.") from None
             self.handles[name] = handle
             for key in handle.keys():
                 if files is None or files.get(key) == name:
                     self.where[key] = name
+                else:   # a tensor the index does not read from here: never silently left out
+                    stray.append((name, key))
         if files is not None:
             lost = sorted(set(files) - set(self.where))
             if lost:
                 raise UnsupportedModelError(f"{INDEX} names {lost[0]} in {files[lost[0]]}, which does not hold it: "
-                                            f"the folder is damaged; nothing was written.")
+                                            f"the folder is damaged; {again}; nothing was written.")
+            if stray:
+                name, key = stray[0]
+                more = f" (+{len(stray) - 1} more)" if len(stray) > 1 else ""
+                elsewhere = f"names it in {files[key]}" if key in files else "does not name it"
+                raise UnsupportedModelError(f"{name} holds {key}{more}, but {INDEX} {elsewhere}: the index and the "
+                                            f"shards are of different saves; download them again (or copy them from "
+                                            f"the model's hub page); nothing was written.")
 
     def shape(self, key: str) -> tuple:
         return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
 
     def sources(self, cfg: ModelConfig) -> dict:
         """{our name: the transformers tensor it is read from}, every name and shape checked
-        against the model `cfg` builds (read from the headers: no weight is read)."""
+        against the model `cfg` builds (read from the headers: no weight is read, but for a
+        tied model whose folder holds a head of its own, compared with the embedding).
+
+        Every tensor of the folder is either read or named in a refusal: a tensor this model
+        has a place for in general but the configured one lacks (q/k/v biases under a config
+        without them, o_proj biases, layers beyond num_hidden_layers, a head config.json ties
+        away) means config.json describes another model than the weights; dropping it would
+        import a model whose logits are not the source's."""
         with torch.device("meta"):   # shapes only, no memory
             expected = {k: tuple(v.shape) for k, v in LanguageModel(cfg, seed=None).state_dict().items()}
-        sources, unknown = {}, []
+        sources, unknown, unheld, head = {}, [], [], None
         for key in self.where:
             name = our_name(key)
             if name is None:
                 if not _IGNORED.match(key):
                     unknown.append(key)
-                continue
-            if name == "lm_head.weight" and cfg.tie_embeddings:
-                continue   # tied: the head is the embedding (a copy saved beside it is not read)
-            sources[name] = key
+            elif name == "lm_head.weight" and cfg.tie_embeddings:
+                head = key   # tied: read only when it is a copy of the embedding (below)
+            elif name not in expected:
+                unheld.append(key)
+            else:
+                sources[name] = key
+        if unheld:
+            raise self._unheld_error(unheld, cfg)
         if cfg.tie_embeddings and "embed.weight" in sources:
+            if head is not None and not self._same(head, sources["embed.weight"]):
+                raise UnsupportedModelError(
+                    f"{self._config_path()} says tie_word_embeddings=true, but {self.where[head]} holds {head}, which "
+                    f"differs from {sources['embed.weight']} (transformers then leaves the head untied): set "
+                    f"tie_word_embeddings to false in config.json; nothing was written.")
             sources["lm_head.weight"] = sources["embed.weight"]
+        held = {int(_LAYER.match(k)[1]) for k in self.where if _LAYER.match(k)}
+        absent = {int(name.split(".")[1]) for name in set(expected) - set(sources) if name.startswith("layers.")}
+        if held and absent and min(absent) == max(held) + 1 == len(held):   # whole layers at the end
+            raise UnsupportedModelError(
+                f"{self._config_path()} says num_hidden_layers={cfg.n_layers}, but the weights of {self.folder} hold "
+                f"{len(held)} layers (no model.layers.{min(absent)}.*): fix num_hidden_layers in config.json, or "
+                f"the folder lacks a file; nothing was written.")
         where = f"the weights of {self.folder}"
         fix = "it is not the model its config.json describes; nothing was written"
         problems = [f"{k} has no counterpart here" for k in unknown]
@@ -280,6 +332,61 @@ class TransformersWeights:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise UnsupportedModelError(f"{where} do not match this model: {'; '.join(problems[:3])}{more}: {fix}.")
         return {k: sources[k] for k in expected}   # the model's order
+
+    def _config_path(self) -> Path:
+        return self.folder / "config.json"
+
+    def _same(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether tensors `a` and `b` hold the same values (read `rows` rows at a time)."""
+        if self.shape(a) != self.shape(b):
+            return False
+        first, second = self.handles[self.where[a]].get_slice(a), self.handles[self.where[b]].get_slice(b)
+        return all(torch.equal(first[i:i + rows], second[i:i + rows]) for i in range(0, self.shape(a)[0], rows))
+
+    def _unheld_error(self, keys: list[str], cfg: ModelConfig) -> UnsupportedModelError:
+        """The refusal of tensors the configured model has no place for: which ones, the
+        config.json field that disagrees with them, and what the weights then are."""
+        def order(key):   # layer 2 before layer 10; q, k, v, o as a model lists them
+            match = _LAYER.match(key)
+            if match is None:
+                return -1, 0, key
+            projection = re.search(r"([qkvo])_proj", match[2])
+            return int(match[1]), "qkvo".index(projection[1]) if projection else 4, match[2]
+        keys = sorted(keys, key=order)
+        config = transformers_config(self.folder) or {}
+        try:
+            arch = architecture(config, self._config_path())
+        except UnsupportedModelError:
+            arch = "its architecture"
+
+        def named(group: list[str]) -> str:
+            more = f" (+{len(group) - 1} more)" if len(group) > 1 else ""
+            return f"{self.where[group[0]]} holds {group[0]}{more}"
+        said = f"{self._config_path()} says"
+        nothing = "nothing was written"
+        layers = [k for k in keys if _LAYER.match(k) and int(_LAYER.match(k)[1]) >= cfg.n_layers]
+        if layers:
+            top = max(int(_LAYER.match(k)[1]) for k in layers)
+            span = f"layer {top}" if top == cfg.n_layers else f"layers {cfg.n_layers} to {top}"
+            return UnsupportedModelError(
+                f"{said} num_hidden_layers={cfg.n_layers}, but {named(layers)} ({span}): the folder holds {top + 1} "
+                f"layers; fix num_hidden_layers in config.json; {nothing}.")
+        out = [k for k in keys if k.endswith("self_attn.o_proj.bias")]
+        qkv = [k for k in keys if re.search(r"self_attn\.[qkv]_proj\.bias$", k)]
+        if out:   # named first: the bias that no configuration here can hold
+            return UnsupportedModelError(
+                f"{said} {arch}, but {named(out + qkv)}: biases on o_proj are those of a Llama with "
+                f"attention_bias=true, which this import does not read (the output projection here has no bias); "
+                f"{nothing}.")
+        if qkv:
+            field = {"LlamaForCausalLM": " without attention_bias",
+                     "MistralForCausalLM": " (its attention has no biases)"}.get(arch, "")
+            return UnsupportedModelError(
+                f"{said} {arch}{field}, but {named(qkv)}: the weights are of another architecture (Qwen2?); if so, "
+                f"set architectures to [\"Qwen2ForCausalLM\"] and model_type to \"qwen2\" in config.json; "
+                f"{nothing}.")
+        return UnsupportedModelError(f"{said} a model without {keys[0]}, but {named(keys)}: config.json does not "
+                                     f"describe these weights; fix it; {nothing}.")
 
     @staticmethod
     def _hf_name(name: str) -> str:

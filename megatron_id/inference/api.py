@@ -152,24 +152,42 @@ def longest_token_bytes(tokenizer) -> int | None:
     return max(len(token) for token in tokenizer.get_vocab()) or 1
 
 
+def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int, size: int | None = None) -> None:
+    """Refuse a prompt + max_tokens over --max-model-len, blaming what the client should change:
+    the prompt when it leaves no room for a completion on its own, else max_tokens, with the most
+    it may be. `size`: the prompt's bytes, when prompt_tokens is only the least they can be (then
+    only a prompt too long on its own is refused: the rest waits for the exact count)."""
+    limit = f"this server's --max-model-len of {max_model_len:,} tokens (prompt + max_tokens)"
+    if prompt_tokens >= max_model_len:
+        prompt = (f"the prompt's {size:,} bytes are at least {prompt_tokens:,} tokens" if size is not None else
+                  f"the prompt is {prompt_tokens:,} tokens")
+        also = (f" (and max_tokens {max_tokens:,} alone is over it too: ask for fewer)"
+                if max_tokens >= max_model_len else "")
+        raise BadRequest(f"{prompt}, which leaves no room for a completion under {limit}: send a shorter "
+                         f"prompt{also}", "prompt")
+    if size is None and prompt_tokens + max_tokens > max_model_len:
+        # (a shorter prompt helps only where max_tokens is below the limit on its own)
+        shorter = " (or send a shorter prompt)" if max_tokens < max_model_len else ""
+        raise BadRequest(f"max_tokens {max_tokens:,} after the prompt's {prompt_tokens:,} "
+                         f"token{'s' if prompt_tokens != 1 else ''} makes {prompt_tokens + max_tokens:,} tokens, "
+                         f"over {limit}: ask for at most {max_model_len - prompt_tokens:,} max_tokens{shorter}",
+                         "max_tokens")
+
+
 def check_prompt_bytes(prompt: str, settings: dict, max_model_len: int, bytes_per_token: int | None) -> None:
+    """A prompt too long on its bytes alone, refused before it is tokenized (a byte-level
+    tokenizer's token covers at most `bytes_per_token` bytes): megabytes are not tokenized."""
     if bytes_per_token is None:
         return
     size = len(prompt.encode("utf-8"))
-    least = -(-size // bytes_per_token)
-    if least + settings["max_tokens"] > max_model_len:
-        raise BadRequest(f"the prompt's {size:,} bytes are at least {least:,} tokens, which with max_tokens "
-                         f"{settings['max_tokens']} exceed this server's --max-model-len of {max_model_len} tokens: "
-                         f"send a shorter prompt", "prompt")
+    check_length(-(-size // bytes_per_token), settings["max_tokens"], max_model_len, size)
 
 
 def to_request(ids: list[int], settings: dict, max_model_len: int) -> Request:
     """The engine's Request once the prompt is tokenized (its length checked against the limit)."""
     if not ids:
         raise BadRequest("prompt gives no tokens: send some text", "prompt")
-    if len(ids) + settings["max_tokens"] > max_model_len:
-        raise BadRequest(f"the prompt's {len(ids)} tokens and max_tokens {settings['max_tokens']} exceed this "
-                         f"server's --max-model-len of {max_model_len} tokens: ask for fewer", "max_tokens")
+    check_length(len(ids), settings["max_tokens"], max_model_len)
     return Request(ids, settings["max_tokens"], settings["temperature"], settings["top_k"], settings["seed"])
 
 

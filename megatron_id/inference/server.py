@@ -266,8 +266,9 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                                                     f"refused (add the name with --allowed-host)",
                                           code="origin_not_allowed")
             if limits.api_key is not None:
-                given = http.headers.get("Authorization", "")
-                token = given[7:] if given.startswith("Bearer ") else ""
+                # the scheme in any case ("bearer KEY" from curl users: RFC 7235 makes it case-blind)
+                scheme, _, token = http.headers.get("Authorization", "").partition(" ")
+                token = token.strip() if scheme.lower() == "bearer" else ""
                 if not hmac.compare_digest(token.encode(), limits.api_key.encode()):
                     return error_response(401, "a valid API key is needed: send 'Authorization: Bearer KEY' "
                                                     "(the openai client's api_key)", code="invalid_api_key",
@@ -283,8 +284,10 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
             else:
                 message = f"{e.reason}: {http.method} {http.path}"
             return error_response(e.status, message, kind="invalid_request_error")
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionError:   # the client went away while its body was read: nobody to answer or to log
+            return web.Response(status=499)   # (nginx's "client closed request", for the access log)
         except Exception as e:   # a bug of ours: the log has it, the client a reference
             ident = uuid.uuid4().hex[:12]
             print(f"megatron-id serve: error {ident} in {http.method} {http.path}: {type(e).__name__}: {e}",
@@ -423,27 +426,35 @@ def build_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, li
                     delta, sent = ready[len(sent):], ready
                     if delta or finish is not None:
                         await send({**chunk, "choices": [choice(delta, finish)]})
-        except (asyncio.CancelledError, ConnectionResetError):
+            if failure is not None:
+                status, message, code = failure
+                if not stream:
+                    return error_response(status, message, kind="server_error", code=code)
+                await send(error_body(message, kind="server_error", code=code))   # as vLLM streams an error
+                await response.write_eof()
+                return response
+            usage = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
+                     "total_tokens": len(request.prompt) + len(tokens)}
+            if stream:
+                if settings["include_usage"]:   # OpenAI's last chunk: no choices, the usage
+                    await send({**chunk, "choices": [], "usage": usage})
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+        except asyncio.CancelledError:   # the client went away (aiohttp's handler cancellation)
             ticket["cancelled"] = True   # the engine cancels its sequence at the next step
             raise
+        except ConnectionError:
+            # The client went away and a write found its connection closing before aiohttp's
+            # cancellation reached this handler (a token arrived in the same turn of the event loop
+            # as the hang-up). Raised, aiohttp logs it as an unhandled error with a 25-line
+            # traceback; the sequence is cancelled and the response handed back as it stands
+            # (aiohttp's own write of its end then fails quietly).
+            ticket["cancelled"] = True
+            return response if response is not None else web.Response(status=499)
         finally:
             if timer is not None:
                 timer.cancel()
-        if failure is not None:
-            status, message, code = failure
-            if not stream:
-                return error_response(status, message, kind="server_error", code=code)
-            await send(error_body(message, kind="server_error", code=code))   # as vLLM streams an error
-            await response.write_eof()
-            return response
-        usage = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
-                 "total_tokens": len(request.prompt) + len(tokens)}
-        if stream:
-            if settings["include_usage"]:   # OpenAI's last chunk: no choices, the usage
-                await send({**chunk, "choices": [], "usage": usage})
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-            return response
         return web.json_response({**chunk, "choices": [choice(text.ready(final=True), finish)], "usage": usage})
 
     async def models(http):
@@ -513,10 +524,12 @@ def raise_graceful_exit() -> None:
     loop.call_soon(stop)
 
 
-def check_listen_address(host: str, port: int) -> None:
+def check_listen_address(host: str, port: int) -> int:
     """--host and --port are tried (a socket bound and closed) before the model is loaded: an
     address that is not one of this machine's, a name that does not resolve or a port in use is
-    named with its flag, not found after minutes of loading as an OSError without one."""
+    named with its flag, not found after minutes of loading as an OSError without one. Returns
+    the port: for --port 0, the free one the system chose (which the server then listens on, so
+    that the line saying where it listens names it; it said :0)."""
     import errno
     import socket
     try:
@@ -530,6 +543,7 @@ def check_listen_address(host: str, port: int) -> None:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as aiohttp binds
             probe.bind(address)
+            return probe.getsockname()[1]
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
             raise BadOptionError(f"--port {port}: already in use on {host} (another server?): stop it or choose "
@@ -548,7 +562,7 @@ def serve(args) -> int:
     Exits 0 after a drain, 1 when the engine stopped on a failure (so a supervisor restarts it)."""
     import os
     device = resolve_device(args.device)
-    check_listen_address(args.host, args.port)   # before the model is loaded
+    port = check_listen_address(args.host, args.port)   # before the model is loaded
     limits = serve_limits(args, os.environ.get(API_KEY_ENV))
     access_log = open_access_log(args.access_log)
     trained = load_trained(args.checkpoint, args.tokenizer, args.allow_tokenizer_mismatch, args.verify)
@@ -588,14 +602,23 @@ def serve(args) -> int:
         print(f"megatron-id serve: warning: listening on {args.host} (not this machine only) without an API key: "
               f"anyone who can reach the port can use the model; set --api-key or {API_KEY_ENV}", file=sys.stderr,
               flush=True)
-    listening = (f"megatron-id serve: {name} on http://{args.host}:{{port}} ({args.slots} slots, max-model-len "
+    where = f"[{args.host}]" if ":" in args.host else args.host   # (an IPv6 address in a URL: http://[::1]:8000)
+    listening = (f"megatron-id serve: {name} on http://{where}:{port} ({args.slots} slots, max-model-len "
                  f"{max_model_len}, device {device}{', API key required' if limits.api_key else ''}"
                  f"{', chat template: /v1/chat/completions' if chat else ''})")
     try:
         # (run_app prints once its socket listens: the line clients and tests wait for)
-        web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_timeout + 5,
+        web.run_app(app, host=args.host, port=port, shutdown_timeout=args.drain_timeout + 5,
                     handle_signals=False, handler_cancellation=True, access_log=access_log,
-                    print=lambda _: print(listening.format(port=args.port), file=sys.stderr, flush=True))
+                    print=lambda _: print(listening, file=sys.stderr, flush=True))
+    except OSError as err:
+        import errno
+        if err.errno != errno.EADDRINUSE:
+            raise
+        # (free when tried before loading: two servers started at once on one port)
+        raise BadOptionError(f"--port {args.port}: port {port} on {args.host} was taken while the model loaded "
+                             f"(another server started at the same time?): stop it or choose another "
+                             f"--port.") from None
     finally:
         engine.stop()
     if engine.failure is not None:
@@ -637,7 +660,8 @@ def serve_limits(args, key_from_env: str | None) -> ServeLimits:
     """The flags as ServeLimits (checked by the CLI already). Host names are checked when the
     server listens on this machine only (DNS rebinding: a web page's name resolved to 127.0.0.1)
     or when --allowed-host names them."""
-    names = set(args.allowed_host or ())
+    # as the Host and Origin headers' names are read: lower case, an IPv6 address without brackets
+    names = {name.lower().strip("[]") for name in args.allowed_host or ()}
     if loopback(args.host):
         names |= {*LOOPBACK_NAMES, args.host}
     return ServeLimits(drain_timeout=args.drain_timeout, api_key=args.api_key or key_from_env or None,

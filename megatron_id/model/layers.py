@@ -32,6 +32,13 @@ class NormalInit:
             return torch.zeros(shape)
         return torch.randn(shape, generator=generator) * self.init_std
 
+    def reset_parameters(self):
+        """torch's own draw at construction, skipped on the meta device (counts, shapes), where it
+        draws nothing and cost torch._dynamo's import, ~1.1 s of a command's start: a random fill
+        of a meta tensor runs through torch._refs, which imports it."""
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
 
 class Linear(NormalInit, nn.Linear):
     """nn.Linear with a declared N(0, init_std) weight; without bias unless asked (bias=True:

@@ -113,9 +113,26 @@ class _BlockwiseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-@torch.compiler.disable   # under train.compile: an eager island (its block bounds are data)
 def blockwise_attention(q, k, v, seq_idx=None, window=None, block: int = BLOCK):
     """Equal to masked_attention (same SDPA per block), in O(N x block) memory."""
+    if torch.compiler.is_compiling():   # under torch.compile: an eager island (its block bounds are data)
+        return _eager_island()(q, k, v, seq_idx, window, block)
+    return _blockwise_attention(q, k, v, seq_idx, window, block)
+
+
+_ISLAND = {}
+
+
+def _eager_island():
+    """torch.compiler.disable(_blockwise_attention), made when first traced rather than as a
+    decorator: the decorator imports torch._dynamo when this module is imported, ~1.1 s of the
+    start of every command that builds a model. (The first trace breaks its graph once more, here.)"""
+    if "fn" not in _ISLAND:
+        _ISLAND["fn"] = torch.compiler.disable(_blockwise_attention)
+    return _ISLAND["fn"]
+
+
+def _blockwise_attention(q, k, v, seq_idx, window, block):
     if not (q.requires_grad or k.requires_grad or v.requires_grad) or not torch.is_grad_enabled():
         first = None if seq_idx is None else document_first(seq_idx)
         return torch.cat([_block_attention(q, k, v, seq_idx, window, s, e, lo)

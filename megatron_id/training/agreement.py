@@ -24,7 +24,7 @@ from ..checkpoint.files import model_config_dict, read_client_state
 from ..config import Config, ConfigError, defaulted_keys
 from ..data.gpt_dataset import parse_data_path
 from ..data.indexed_dataset import IndexedDataset, matching_meta
-from ..data.tokenizer import MISMATCH_KEY, check_same_tokenizer, identity_of_file, load_tokenizer, tokenizer_identity
+from ..data.tokenizer import MISMATCH_KEY, check_same_tokenizer, identity_of_file, size_of_file
 from ..model.accounting import report
 from ..model.pattern import spelled_out
 from ..model.spec import ModelConfig, ffn_hidden_size
@@ -67,8 +67,7 @@ def run_tokenizer(cfg: Config) -> RunTokenizer:
     path, vocab_size = None, max((s[3] for s in sides if s[3] is not None), default=None)
     if d.tokenizer:
         file = Path(d.tokenizer)
-        tokenizer = load_tokenizer(str(file))   # a missing or broken file: one line naming it
-        own = tokenizer_identity(tokenizer)
+        own = identity_of_file(file)   # (loaded once with the data checks); a missing or broken file: one line
         for side in known:
             if not check_same_tokenizer(
                     side[:3], (f"data.tokenizer={d.tokenizer}", own, None),
@@ -77,7 +76,7 @@ def run_tokenizer(cfg: Config) -> RunTokenizer:
                 mixed = True
         identity = None if mixed else own
         path = str(file.resolve())
-        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab_size = size_of_file(file)
         source = f"the tokenizer data.tokenizer={d.tokenizer}"
     else:
         source = next((f"the tokenizer recorded in {s[0].split(' ', 1)[-1]}.meta.json"

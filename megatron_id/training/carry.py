@@ -23,6 +23,7 @@ document and the same document in windows with the state carried compute the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -104,10 +105,12 @@ def carried_forward(model, tokens: torch.Tensor, eod_id: int, carried: RowStates
 # ------------------------------------------------------------ in the trainer
 
 CARRIED_FILE = "carried_state_rank{:05d}.pt"
+LOAD_KEY = "train.load_carried_state"   # false: a resume starts every row from zero, on purpose
 
 
 def check_carry_layout(cfg, layout) -> None:
-    """data.carry_state against the rest of the run, before any work (training/layout.py)."""
+    """data.carry_state against the rest of the run, before any work (training/layout.py): every
+    setting it cannot run with is named, not only the first."""
     from ..config import ConfigError, DataSource
     from ..model.pattern import layer_mixer
     d, t, m = cfg.data, cfg.train, cfg.model
@@ -116,45 +119,58 @@ def check_carry_layout(cfg, layout) -> None:
             raise ConfigError(f"train.carry_grad_windows={t.carry_grad_windows} splits each row into windows "
                               f"with the state carried between them: set data.carry_state=true, or leave it at 1.")
         return
-    where = "data.carry_state=true"
     softmax = sorted({layer_mixer(m, i) for i in range(m.n_layers)} & {"softmax", "sliding"})
-    why = {
-        t.carry_grad_windows < 1 or m.seq_length % max(t.carry_grad_windows, 1): (
-            f"train.carry_grad_windows={t.carry_grad_windows}", f"it must be >= 1 and divide model.seq_length="
-            f"{m.seq_length} into equal windows"),
-        bool(softmax): (f"{'/'.join(softmax)} layers (model.layer_pattern={m.layer_pattern})",
-                        "their state is a KV cache that grows with every window; carry runs interdomain and S4D "
-                        "layers (letters I and S)"),
-        layout.pipe > 1: (f"parallel.pipeline_model_parallel_size={layout.pipe}",
-                          "the carried state would have to stay with each stage's layers; use TP x DP"),
-        layout.context > 1 and (m.seq_length // max(t.carry_grad_windows, 1)) % layout.context: (
-            f"parallel.context_parallel_size={layout.context} with train.carry_grad_windows={t.carry_grad_windows}",
-            f"each window of {m.seq_length // max(t.carry_grad_windows, 1)} tokens splits into "
-            f"{layout.context} equal blocks; use a window divisible by it"),
-        d.source == DataSource.mqar and not d.mqar.query_window: (
-            "data.source=mqar and data.mqar.query_window=0", "the classic task's sequences are independent; set "
-            "data.mqar.query_window=N for episodes whose queries come N windows after their pairs"),
-        d.source == DataSource.gpt and len(d.data_path) > 1: (   # (a weight, a prefix, ...)
-            "a blend of several data.data_path prefixes", "a row's stream comes from one dataset; give one prefix"),
-        any(len(path) > 1 for path in d.valid_sets.values()): (
-            "a blend in data.valid_sets", "each validation row's stream comes from one dataset; give one prefix"),
-        t.distill.teacher is not None: ("train.distill", "the teacher would need the same carried state"),
-        t.activation_checkpointing: ("train.activation_checkpointing=true",
-                                     "a block recomputed in the backward would run without its carried state"),
-        t.compile: ("train.compile=true", "the compiled forward takes no carried state"),
-    }
-    for refused, (setting, reason) in why.items():
-        if refused:
-            raise ConfigError(f"{where} cannot run with {setting}: {reason}.")
+    mixer = getattr(m.mixer, "value", m.mixer)
+    mixers = f"model.layer_pattern={m.layer_pattern}" if m.layer_pattern else f"model.mixer={mixer}"
+    window = m.seq_length // max(t.carry_grad_windows, 1)
+    given = getattr(cfg, "given_keys", None) or frozenset()
+    # (refused?, the setting, why): a list, so that every reason that applies is named
+    why = [
+        (t.carry_grad_windows < 1 or m.seq_length % max(t.carry_grad_windows, 1),
+         f"train.carry_grad_windows={t.carry_grad_windows}",
+         f"it must be >= 1 and divide model.seq_length={m.seq_length} into equal windows"),
+        (bool(softmax), f"{'/'.join(softmax)} layers ({mixers})",
+         "their state is a KV cache that grows with every window; carry runs interdomain and S4D layers "
+         "(letters I and S)"),
+        (layout.pipe > 1, f"parallel.pipeline_model_parallel_size={layout.pipe}",
+         "the carried state would have to stay with each stage's layers; use TP x DP"),
+        (layout.context > 1 and window % layout.context,
+         f"parallel.context_parallel_size={layout.context} with train.carry_grad_windows={t.carry_grad_windows}",
+         f"each window of {window} tokens splits into {layout.context} equal blocks; use a window divisible by it"),
+        (d.source == DataSource.mqar and not d.mqar.query_window, "data.source=mqar and data.mqar.query_window=0",
+         "the classic task's sequences are independent; set data.mqar.query_window=N for episodes whose queries "
+         "come N windows after their pairs"),
+        (d.source == DataSource.gpt and len(d.data_path) > 1,   # (a weight, a prefix, ...)
+         "a blend of several data.data_path prefixes", "a row's stream comes from one dataset; give one prefix"),
+        (any(len(path) > 1 for path in d.valid_sets.values()), "a blend in data.valid_sets",
+         "each validation row's stream comes from one dataset; give one prefix"),
+        (t.distill.teacher is not None, "train.distill", "the teacher would need the same carried state"),
+        (t.activation_checkpointing, "train.activation_checkpointing=true",
+         "a block recomputed in the backward would run without its carried state"),
+        (t.compile, "train.compile=true", "the compiled forward takes no carried state"),
+    ]
+    # the carried state restarts at every document and positions count from it: a switch set
+    # to false on purpose would be overridden without a word
+    why += [(f"data.{key}" in given and not getattr(d, key), f"data.{key}=false",
+             "carrying the state implies it (a document's state and positions restart at its first token); "
+             f"remove data.{key}") for key in ("reset_attention_mask", "reset_position_ids")]
+    refused = [f"{setting}: {reason}" for bad, setting, reason in why if bad]
+    if refused:
+        raise ConfigError(f"data.carry_state=true cannot run with {'; nor with '.join(refused)}.")
 
 
 def carried_eod_id(cfg) -> int:
     """The token that starts a row's state over (a document's end): the generated task's EOD for
     data.source=mqar, else the data's (an error naming the sidecar and the fix when unknown)."""
-    from ..config import DataSource
+    from ..config import ConfigError, DataSource
     if cfg.data.source == DataSource.mqar:
         from ..data.mqar import MQARTask
-        return MQARTask.of_run(cfg).eod
+        eod, given = MQARTask.of_run(cfg).eod, cfg.data.eod_token_id
+        if given is not None and given != eod:   # the task writes its own: a given id would be ignored
+            raise ConfigError(f"data.eod_token_id={given} is not what data.source=mqar ends its episodes with: the "
+                              f"task's end-of-document id is {eod} (1 + data.mqar.num_keys + num_values), and "
+                              f"data.carry_state restarts each row's state there. Remove data.eod_token_id.")
+        return eod
     from .documents import resolve_eod_id
     return resolve_eod_id(cfg.data, "data.carry_state needs")
 
@@ -219,16 +235,14 @@ class CarriedRows:
 
     def load_state_dict(self, saved: dict, layout: dict, path, device) -> None:
         """Rows continue from a checkpoint's; saved at another layout they cannot (each rank's
-        rows and heads are its own): refused with the reason."""
+        rows and heads are its own): refused with the reason (check_carried_resume refuses it
+        first, before any work; this is for a file that disagrees with its checkpoint)."""
         from ..config import ConfigError
-        mine = {**layout, "windows": self.windows}
-        if saved["layout"] != mine:
-            differ = ", ".join(f"{k}: saved {saved['layout'].get(k)}, now {mine.get(k)}"
-                               for k in sorted(set(mine) | set(saved["layout"]))
-                               if saved["layout"].get(k) != mine.get(k))
+        differ = layout_differences(saved["layout"], layout)
+        if differ:
             raise ConfigError(f"{path} holds the carried state of every row (data.carry_state) for another layout "
                               f"({differ}): each rank's rows and heads are its own. Resume at the saved layout, "
-                              f"or set data.carry_state=false to resume without it.")
+                              f"or set {LOAD_KEY}=false to start every row from zero.")
 
         def restore(plain: dict) -> RowStates:
             layers = None if plain["layers"] is None else [
@@ -236,3 +250,72 @@ class CarriedRows:
                  "pos": s["pos"], "tables": None} for s in plain["layers"]]
             return RowStates(layers, plain["position"].to(device), plain["ends_document"].to(device))
         self.states, self.next = [restore(p) for p in saved["states"]], saved["next"]
+
+
+# ------------------------------------------------------------ resuming
+
+def rows_layout(layout) -> dict:
+    """What decides which rows and heads each rank's carried state holds (training_layout's
+    Layout): a checkpoint's carried state continues only at the same."""
+    return {"tensor": layout.tensor, "data": layout.data, "micro_batch_size": layout.micro_batch_size,
+            "gradient_accumulation": layout.gradient_accumulation,
+            "world": layout.tensor * layout.pipe * layout.data * layout.context}
+
+
+def layout_differences(saved: dict, now: dict) -> str:
+    """'data: saved 1, now 2, ...' for each key of rows_layout that differs; '' when none.
+    train.carry_grad_windows ("windows", recorded too) may change: the state a row reaches at the
+    end of its sample is the same in any number of windows, only the gradient's reach differs."""
+    keys = sorted((set(saved) | set(now)) - {"windows"})
+    return ", ".join(f"{k}: saved {saved.get(k)}, now {now.get(k)}" for k in keys if saved.get(k) != now.get(k))
+
+
+def check_carried_resume(folder: Path, cfg, layout) -> None:
+    """A resume continues the rows of the checkpoint in `folder` as they were (check_run: rank 0,
+    before any work, so that one line stops every rank). Refused, naming what would change and
+    the key to accept it (train.load_carried_state=false), when this run's data.carry_state is
+    not the checkpoint's (the carried state would be dropped, or every row start from zero, and
+    the data order change), when the rows or heads would sit on other ranks, or when another
+    train.train_tokens cuts the data into other streams."""
+    from ..checkpoint.files import read_client_state
+    from ..config import ConfigError, DataSource
+    client = read_client_state(folder)
+    if not cfg.train.load_carried_state or client.data is None or not client.step:
+        return   # accepted on purpose; or no data position to continue (an import, a conversion, step 0)
+    saved, now = bool(client.data.get("carry_state")), bool(cfg.data.carry_state)
+    resumes = f"train.load resumes {folder} (step {client.step:,})"
+    shuffled, streams = "shuffled windows", "each row's stream of consecutive windows"
+    if saved and not now:
+        raise ConfigError(f"{resumes}, trained with data.carry_state=true, and this run has data.carry_state=false: "
+                          f"the state every row carried would be dropped and the data order would change from "
+                          f"{streams} to {shuffled} (samples re-read or skipped). Set data.carry_state=true to "
+                          f"continue the run as it was, or {LOAD_KEY}=false to go on without it on purpose.")
+    if now and not saved:
+        raise ConfigError(f"{resumes}, trained without data.carry_state, and this run has data.carry_state=true: "
+                          f"the data order would change from {shuffled} to {streams} (samples re-read or "
+                          f"skipped), every row starting from a zero state. Set data.carry_state=false to continue "
+                          f"the run as it was, or {LOAD_KEY}=false to start carrying the state here on purpose.")
+    if not now:
+        return
+    changes = []
+    iters = client.data.get("train_iters")
+    if cfg.data.source == DataSource.gpt and iters is not None and iters != layout.train_iters:
+        # StreamOrder: row r reads the samples from r x (the run's steps) on
+        changes.append(f"this run's train.train_tokens={cfg.train.train_tokens:,} makes {layout.train_iters:,} steps "
+                       f"where the checkpoint's run had {iters:,}, and row r's stream starts r x the run's steps "
+                       f"into the data: every row but the first would go on in another place of the data, with "
+                       f"the state of the last (and samples would be re-read or skipped)")
+    try:   # (mapped: only the layout record is read)
+        saved_layout = torch.load(folder / CARRIED_FILE.format(0), map_location="cpu", weights_only=True,
+                                  mmap=True)["layout"]
+    except Exception:   # none (the load says every row starts from zero) or damaged (the load's check names it)
+        saved_layout = None
+    if saved_layout is not None:
+        differ = layout_differences(saved_layout, rows_layout(layout))
+        if differ:
+            changes.append(f"its carried state is for another layout ({differ}): each rank's rows and heads are "
+                           f"its own")
+    if changes:
+        raise ConfigError(f"{resumes}, whose rows carried their state (data.carry_state), and this run cannot "
+                          f"continue them: {'; '.join(changes)}. Resume with the checkpoint's settings, or set "
+                          f"{LOAD_KEY}=false to start every row from a zero state on purpose.")

@@ -93,7 +93,11 @@ class TeacherSource:
                               f"--output) or a transformers folder.")
         pretrained = transformers_config(root)
         if pretrained is not None:
-            return cls(root, transformers_model_config(root, pretrained))
+            cfg = transformers_model_config(root, pretrained)
+            # from the safetensors headers, before any work: every tensor of the folder is one the
+            # teacher reads, or the folder is refused (as import-hf refuses it)
+            TransformersWeights(root).sources(cfg)
+            return cls(root, cfg)
         try:
             folder = checkpoint_folder(root)
         except CheckpointNotFoundError as err:

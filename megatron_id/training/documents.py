@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.gpt_dataset import DataConfigError, parse_data_path
-from ..data.indexed_dataset import read_meta
+from ..data.indexed_dataset import IndexedDataset, read_meta
 
 
 @dataclass(frozen=True)
@@ -74,22 +74,55 @@ PACKED_SWITCHES = "data.reset_attention_mask / reset_position_ids / eod_mask_los
 
 def resolve_eod_id(data, needed_by: str = PACKED_SWITCHES) -> int:
     """data.eod_token_id, else the EOD id every prefix's sidecar records (they must agree);
-    `needed_by` names what asks for it in the error."""
-    if data.eod_token_id is not None:
-        return int(data.eod_token_id)
+    `needed_by` names what asks for it in the error. A given id must be the data's: the one its
+    sidecar records, or (without one) the last token of its documents."""
+    if data.eod_token_id is not None and not data.data_path:
+        return int(data.eod_token_id)   # no files to hold it against (data.source=mqar)
     found = {}
     for _, prefix in parse_data_path(data.data_path):
         meta = read_meta(prefix) or {}
         found[prefix] = meta.get("eod_id")
+    if data.eod_token_id is not None:
+        return _checked_eod_id(int(data.eod_token_id), found, needed_by)
     ids = set(found.values())
     if None in ids or not ids:
         unknown = [p for p, i in found.items() if i is None] or list(data.data_path)
         raise DataConfigError(
             f"{needed_by} the end-of-document token id, and {unknown[0]}.meta.json does not record one (the "
-            f"data was written without --append-eod, or by another tool): set data.eod_token_id=<id> (50256 "
-            f"for GPT-2's <|endoftext|>), or preprocess with --append-eod.")
+            f"data was written without --append-eod, or by another tool): preprocess with --append-eod, or, where "
+            f"its documents do end with an end-of-document token, set data.eod_token_id=<id> (50256 for GPT-2's "
+            f"<|endoftext|>).")
     if len(ids) > 1:
         raise DataConfigError(f"the data prefixes record different end-of-document ids "
                               f"({', '.join(f'{p}: {i}' for p, i in found.items())}): set data.eod_token_id "
                               f"to the one to use, or blend data written with one tokenizer.")
     return ids.pop()
+
+
+DOCUMENTS_LOOKED_AT = 64   # a given EOD id must end one of a prefix's first documents (no sidecar id)
+
+
+def _checked_eod_id(given: int, recorded: dict, needed_by: str) -> int:
+    """data.eod_token_id against the data: another id than a sidecar's would find no document
+    where the data has one, and an id that ends none of the documents (data without EOD tokens,
+    an id outside the vocabulary) would read each row as one document; either is refused."""
+    for prefix, eod in recorded.items():
+        if eod is not None and eod != given:
+            raise DataConfigError(
+                f"data.eod_token_id={given}, but {prefix}.meta.json records the end-of-document id {eod} (the token "
+                f"preprocessing put after every document): {needed_by} it, and with {given} no document end would be "
+                f"found where the data has one. Remove data.eod_token_id (the sidecar's id is used) or set "
+                f"data.eod_token_id={eod}.")
+    for prefix, eod in recorded.items():
+        if eod is not None:
+            continue
+        ds = IndexedDataset(prefix)
+        ends = ds.document_index[1:DOCUMENTS_LOOKED_AT + 1] - 1   # each document's last sequence
+        last = [int(ds.get(int(i), int(ds.lengths[i]) - 1, 1)[0]) for i in ends if ds.lengths[i] > 0]
+        if last and given not in last:
+            raise DataConfigError(
+                f"data.eod_token_id={given} ends none of the first {len(last)} documents of {prefix} (they end with "
+                f"{', '.join(map(str, sorted(set(last))[:5]))}{', ...' if len(set(last)) > 5 else ''}): {needed_by} "
+                f"the token that ends each document, and without one every row would be read as one document. "
+                f"Preprocess the data with --append-eod, or set data.eod_token_id to the id that ends its documents.")
+    return given

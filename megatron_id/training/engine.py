@@ -38,6 +38,7 @@ import os
 import signal
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,6 +50,7 @@ from ..checkpoint.files import (
     ClientState,
     latest_folder,
     model_config_dict,
+    read_client_state,
     remove_stale_staging,
     rng_state,
     set_rng_state,
@@ -69,14 +71,14 @@ from ..data.gpt_dataset import (
     parse_split,
 )
 from ..data.mqar import MQARDataset, MQARStreams, MQARTask, check_mqar_run
-from ..errors import UserError
+from ..errors import UserError, check_writable
 from ..hf.export import export_hf, why_not_an_export
 from ..parallel import state
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
 from ..parallel.pipeline import pipeline_model
 from ..parallel.tensor_parallel import parallel_model
 from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
-from .carry import CarriedRows, carried_eod_id
+from .carry import CarriedRows, carried_eod_id, check_carried_resume
 from .compilation import check_compile_toolchain, compile_engine
 from .distill import Distillation, check_teacher
 from .distributed import (
@@ -92,7 +94,14 @@ from .documents import DocumentOptions, document_index
 from .layout import deepspeed_config, training_layout
 from .loss import LanguageModelLoss
 from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
-from .optim import GuardedAdamW, apply_learning_rate, learning_rate, parameter_groups, wsd_decay_steps
+from .optim import (
+    GuardedAdamW,
+    apply_learning_rate,
+    group_settings,
+    learning_rate,
+    parameter_groups,
+    wsd_decay_steps,
+)
 from .plan import run_estimate_gib
 from .profiling import ProfileWindow, StepTimer
 
@@ -143,6 +152,7 @@ def check_run(cfg: Config, layout, on_gpu: bool):
     checkpoint resumed from. Returns (the checkpoint root to resume from or None, a note to print
     or None, the run's tokenizer (RunTokenizer), the step of that checkpoint or None)."""
     t, d, m = cfg.train, cfg.data, cfg.model
+    check_paths(cfg)
     if d.source == DataSource.mqar:   # generated: no files, no tokenizer
         check_mqar_run(cfg, layout)
         tokenizer = RunTokenizer(None, None, None)
@@ -152,9 +162,12 @@ def check_run(cfg: Config, layout, on_gpu: bool):
                               "(data.data_path=[data/my_corpus_text_document]).")
         # ids < vocab (a scan of data without sidecar remembered in the cache), dtype, splits, checksums
         cache = index_cache_dir(cfg)
-        check_data(d.data_path, d.split, m.seq_length, m.vocab_size, cache, d.verify)
+        # (and ids below data.tokenizer's size: ids it cannot make are damage or another tokenizer's,
+        # unless the data is another tokenizer's on purpose)
+        made_by = None if d.allow_tokenizer_mismatch else d.tokenizer
+        check_data(d.data_path, d.split, m.seq_length, m.vocab_size, cache, d.verify, made_by)
         for name, path in d.valid_sets.items():   # held-out sets: present, long enough, ids in the vocabulary
-            check_valid_set(name, path, m.seq_length, m.vocab_size, cache, d.verify)
+            check_valid_set(name, path, m.seq_length, m.vocab_size, cache, d.verify, made_by)
         tokenizer = run_tokenizer(cfg)   # the blend, data.tokenizer and model.vocab_size agree
     if not on_gpu:   # the OOM killer ends a CPU run over the host's memory without a word
         check_host_memory(cfg, layout, run_estimate_gib(cfg, layout, on_gpu=False))
@@ -179,8 +192,68 @@ def check_run(cfg: Config, layout, on_gpu: bool):
                     f"step and data position are not taken)")
         else:
             check_resume_batch(folder, layout.global_batch_size)
+            check_carried_resume(folder, cfg, layout)   # the rows continue as carried, or the key says not
+            changes = check_resume_optimizer(folder, cfg, layout)   # refused unless train.override_scheduler
+            note = "\n".join(line for line in (note, changes, *resume_data_changes(folder, cfg)) if line) or None
             step = step_of(folder.name)
     return resume, note, tokenizer, step
+
+
+def _path_keys(cfg: Config) -> dict[str, str]:
+    """The keys of `cfg` that name files or folders, with their values (set ones only)."""
+    t, d = cfg.train, cfg.data
+    keys = {"train.save": t.save, "train.load": t.load, "train.tensorboard_dir": t.tensorboard_dir,
+            "train.metrics_file": t.metrics_file, "train.export_hf_at_end": t.export_hf_at_end,
+            "train.profile.dir": t.profile.dir, "train.wandb.dir": t.wandb.dir, "data.tokenizer": d.tokenizer,
+            "data.index_cache_dir": d.index_cache_dir, "train.distill.teacher": t.distill.teacher}
+    keys.update({f"data.data_path[{i}]": x for i, x in enumerate(d.data_path)})
+    keys.update({f"data.valid_sets.{name}[{i}]": x for name, path in d.valid_sets.items() for i, x in enumerate(path)})
+    return {key: str(value) for key, value in keys.items() if value is not None}
+
+
+def check_paths(cfg: Config) -> None:
+    """Before any work: a path that starts with ~ is refused. The shell expands ~ only at the start
+    of a word, so `train.save=~/runs/x` arrives as it is, and the run wrote its checkpoints into a
+    folder named '~' in the current directory (which a later `rm -rf ~...` typed to clean up is one
+    character from the home folder). The outputs' folders are also tried for writing here (a
+    read-only train.tensorboard_dir failed after the model was built)."""
+    for key, value in _path_keys(cfg).items():
+        if value.startswith("~"):
+            rest = value[1:].lstrip("/")
+            home = f"$HOME/{rest}" if rest and not value[1:2].isalnum() else "$HOME/..."
+            raise ConfigError(f"{key}={value}: ~ is not expanded here (the shell expands it only at the start of a "
+                              f"word, not after key=), so this would be a folder named '{value.split('/')[0]}' in "
+                              f"{Path.cwd()}: write {key.split('[')[0]}={home} (the shell expands $HOME) or the full "
+                              f"path.")
+    t = cfg.train
+    for key, folder in (("train.tensorboard_dir", t.tensorboard_dir), ("train.profile.dir", t.profile.dir)):
+        if folder:
+            check_writable(folder, key)
+
+
+def resume_data_changes(folder: Path, cfg: Config) -> list[str]:
+    """Warning lines for a resume whose data order is not the checkpoint's (another seed, data
+    path or split): it goes on at step x global batch samples into the new order, so samples
+    trained on may come again and others never. Said, not refused: switching data mid-run (an
+    annealing mix, a new shuffle past a loss spike) is done on purpose."""
+    client = read_client_state(folder)
+    record = client.data
+    if not record:
+        return []
+    d = cfg.data
+
+    def names(paths) -> list[str]:   # prefixes by file name (a relative path may be given from elsewhere)
+        return [Path(str(x)).name for x in paths]
+    now = {"seed": cfg.seed, "data.data_path": names(d.data_path), "data.split": d.split}
+    saved = {"seed": record.get("seed"), "data.data_path": names(record.get("data_path", [])),
+             "data.split": record.get("split")}
+    changed = [key for key in now if saved[key] is not None and saved[key] != now[key]]
+    if not changed:
+        return []
+    shown = ", ".join(f"{key}={saved[key]} -> {now[key]}" for key in changed)
+    return [f"warning: {folder.name} was trained with other data settings ({shown}): the run goes on "
+            f"{client.consumed_samples or 0:,} samples into the new data order, so samples already "
+            f"trained on may come again and others never; resume with the checkpoint's settings to continue its order."]
 
 
 def finetunes(cfg: Config, resume) -> bool:
@@ -188,6 +261,86 @@ def finetunes(cfg: Config, resume) -> bool:
     history, train.load = train.save, resumes as usual)."""
     t = cfg.train
     return t.finetune and resume is not None and (t.save is None or Path(resume).resolve() != Path(t.save).resolve())
+
+
+# What a resume continues from its checkpoint besides the weights and the data position: the
+# learning-rate schedule (a function of the tokens consumed and of these keys) and AdamW's settings
+# (torch's Optimizer.load_state_dict restores its param groups from the checkpoint: a changed
+# optimizer.weight_decay or adam_beta2 was silently ignored, a changed optimizer.lr silently bent the
+# schedule mid-run). Every checkpoint records them (ClientState.optimizer).
+RESUMED_SETTINGS = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_tokens", "optimizer.schedule",
+                    "optimizer.decay_fraction", "optimizer.decay_shape", "optimizer.ssm_lr_max", "train.train_tokens",
+                    "optimizer.weight_decay", "optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.adam_eps")
+
+
+def optimizer_record(cfg: Config) -> dict:
+    """RESUMED_SETTINGS of `cfg` as plain values: {"optimizer.lr": 0.003, ...}."""
+    record = {}
+    for key in RESUMED_SETTINGS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        record[key] = value.value if isinstance(value, Enum) else value
+    return record
+
+
+def resume_changes(record: dict, cfg: Config) -> list[tuple[str, object, object]]:
+    """(key, the checkpoint's value, this run's) of each recorded setting this run changes, where
+    it matters: wsd's decay_fraction and decay_shape only if either schedule is wsd, and
+    train.train_tokens only if either schedule decays (constant never reads it)."""
+    now = optimizer_record(cfg)
+    schedules = {record.get("optimizer.schedule"), now["optimizer.schedule"]}
+    changed = []
+    for key, value in now.items():
+        if key not in record or record[key] == value:
+            continue
+        if key in ("optimizer.decay_fraction", "optimizer.decay_shape") and "wsd" not in schedules:
+            continue
+        if key == "train.train_tokens" and schedules == {"constant"}:
+            continue
+        changed.append((key, record[key], value))
+    return changed
+
+
+def _scheduled_rate(values: dict, tokens: int, tokens_per_step: int) -> float:
+    """The learning rate after `tokens` under the settings `values` (optimizer_record's form)."""
+    opt = SimpleNamespace(**{k.removeprefix("optimizer."): v for k, v in values.items() if k.startswith("optimizer.")})
+    return learning_rate(tokens, opt, values["train.train_tokens"], tokens_per_step)
+
+
+def check_resume_optimizer(folder: Path, cfg: Config, layout) -> str | None:
+    """Before any work: a resume that changes a setting of RESUMED_SETTINGS is refused, naming
+    each with the checkpoint's value and this run's (Megatron asserts that its scheduler's values
+    match the checkpoint's unless --override-opt_param-scheduler); with
+    train.override_scheduler=true it goes on, and the lines returned say what changes. Nothing is
+    compared at step 0 (no schedule under way) or with train.load_optimizer=false (Adam restarts;
+    Megatron's --no-load-optim does not check either)."""
+    t = cfg.train
+    client = read_client_state(folder)
+    if client.step == 0 or not t.load_optimizer:
+        return None
+    if client.optimizer is None:
+        return (f"note: {folder} records no optimizer settings (saved before checkpoints recorded them): a change "
+                f"of optimizer.* or train.train_tokens since it cannot be checked; this run's values are used")
+    changed = resume_changes(client.optimizer, cfg)
+    if not changed:
+        return None
+    now, per_step, step = optimizer_record(cfg), layout.tokens_per_step, client.step + 1
+    before = _scheduled_rate({**now, **client.optimizer}, client.step * per_step, per_step)
+    after = _scheduled_rate(now, client.step * per_step, per_step)
+    if t.override_scheduler:
+        lines = [f"train.override_scheduler=true: {key}={new} from step {step} on ({folder.name} was trained with "
+                 f"{key}={old})" for key, old, new in changed]
+        if before != after:
+            lines.append(f"train.override_scheduler=true: the learning rate of step {step} is {after:.4g} "
+                         f"({before:.4g} as {folder.name} was trained)")
+        return "\n".join(lines)
+    was = ", ".join(f"{key}={old}" for key, old, _ in changed)
+    rate = f" (the learning rate of step {step} would go from {before:.4g} to {after:.4g})" if before != after else ""
+    raise ConfigError(
+        f"train.load={t.load}: {folder.name} (step {client.step}) was trained with {was}, and this run sets "
+        f"{', '.join(f'{key}={new}' for key, _, new in changed)}{rate}; a resume continues its checkpoint's "
+        f"schedule and AdamW settings. Set {was} to resume as it was, or train.override_scheduler=true to apply "
+        f"this run's values from step {step} on (Megatron's --override-opt_param-scheduler).")
 
 
 def run_warnings(cfg: Config, layout, world_size: int) -> list[str]:
@@ -344,6 +497,8 @@ class Trainer:
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
         self._restart_sampler()
+        if cfg.train.save:   # a disk too small for a checkpoint: refused now, not at the first save
+            engine_io.check_room_at_start(self, cfg.train.save)
         self.stop_requested, self.saved_step, self.stop_signal = False, self.step, 0
         self.pending_save, self.last_save_blocked = None, None   # train.async_save
         self.time_next_step, self.last_timing = False, None       # train.timing_breakdown
@@ -670,7 +825,8 @@ class Trainer:
         if dist.get_rank() == 0:
             past = "" if self.step == iters else f", past this run's last step {iters:,} (train.train_tokens)"
             print(f"already finished at step {self.step:,}{past}: train.load={t.load} holds the run's end; nothing "
-                  f"to train (raise train.train_tokens to train further)", file=sys.stderr, flush=True)
+                  f"to train (raise train.train_tokens to train further, with train.override_scheduler=true where the "
+                  f"schedule decays: the decay moves)", file=sys.stderr, flush=True)
             out = t.export_hf_at_end
             if out and Path(out).is_dir() and any(Path(out).iterdir()):
                 print(f"train.export_hf_at_end={out}: kept the export there, not exported again (to redo it: "
@@ -709,7 +865,8 @@ class Trainer:
                 f"({first}-{self.step}) had a non-finite loss or gradient norm and were skipped "
                 f"(train.max_nonfinite_in_a_row={limit}). Last good checkpoint: "
                 f"{self._last_checkpoint()}. Resume from it (train.load=...) with a lower "
-                f"optimizer.lr or a stricter optimizer.clip_grad, or inspect the data of these steps.")
+                f"optimizer.lr (and train.override_scheduler=true) or a stricter optimizer.clip_grad, or inspect "
+                f"the data of these steps.")
 
     def _last_checkpoint(self) -> str:
         for root in (self.cfg.train.save, self.cfg.train.load):
@@ -747,6 +904,7 @@ class Trainer:
             evaluations=self.evaluations, skipped_steps=self.skipped_steps, rng=rng_state(),
             data=self.data_record(), wandb_run_id=self.wandb_run_id,
             metrics_file=metrics_position(getattr(getattr(self, "metrics", None), "jsonl", None)),
+            optimizer=optimizer_record(self.cfg),   # what a resume continues (check_resume_optimizer)
             # no optimizer state: train.save_optimizer=false, or step 0 (Adam has none yet)
             weights_only=not self.cfg.train.save_optimizer or self.step == 0)
         self.wait_for_saves()   # one save at a time: the previous one is committed first
@@ -766,6 +924,19 @@ class Trainer:
                   f"{' (train.load_optimizer=false)' if self.step else ''}", file=sys.stderr, flush=True)
         self.saved_step = self.step
         return folder
+
+    def _apply_optimizer_settings(self) -> None:
+        """This run's AdamW settings into every parameter group after a resume: loading the
+        optimizer state restored the checkpoint's (torch's load_state_dict takes its param groups).
+        They are the same unless train.override_scheduler=true let them change
+        (check_resume_optimizer); the learning rate itself is set before every step."""
+        o = self.cfg.optimizer
+        settings = group_settings(o)
+        for group in self.optimizer.param_groups:
+            weight_decay, max_lr = settings.get(group.get("name"), (group["weight_decay"], group.get("max_lr")))
+            group.update(weight_decay=weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+            if max_lr is not None:
+                group["max_lr"] = max_lr
 
     def wait_for_saves(self) -> None:
         """Until the asynchronous save in flight (if any) is written and committed on every rank."""
@@ -798,10 +969,10 @@ class Trainer:
             engine_io.load_weights_of(self, root)
             return
         client = engine_io.load(self, root)
+        self._apply_optimizer_settings()
         self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
-        if self.carry is not None and not engine_io.load_carried_state(self, root) and dist.get_rank() == 0:
-            print(f"{root}: its checkpoint holds no carried state (saved without data.carry_state): every row "
-                  f"starts its next window from zero", file=sys.stderr, flush=True)
+        if self.carry is not None:   # each row's state, or (said once) every row from zero
+            engine_io.load_carried_state(self, root)
         self.wandb_run_id = client.wandb_run_id
         self.metrics_record = client.metrics_file   # what a resume may trim of train.metrics_file
         if client.rng is not None:

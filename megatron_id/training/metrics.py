@@ -72,6 +72,7 @@ class Metrics:
         self.flops_per_token = self.report.training_flops_per_token
         self.devices = layout.tensor * layout.pipe * layout.gradient_replicas
         self.interval = max(cfg.train.log_interval, 1)
+        self.start_step = start_step
         self.writer = self.jsonl = self.wandb_run = None
         self.pending: dict = {}
         if is_logger and cfg.train.tensorboard_dir:
@@ -112,8 +113,11 @@ class Metrics:
         return run_estimate_gib(cfg, self.layout, on_gpu=uses_cuda())
 
     def logs(self, step: int) -> bool:
-        """Whether `step` prints its line (and measures its time breakdown)."""
-        return step % self.interval == 0 or step == self.layout.train_iters
+        """Whether `step` prints its line (and measures its time breakdown): the run's first step
+        (step 1's loss, ln of the vocabulary at init, or a resume's first loss beside the one
+        before it), every train.log_interval-th and the last (torchtitan logs step 1 too;
+        Megatron-LM's first line comes at log_interval). Every step's scalars are recorded."""
+        return step == self.start_step + 1 or step % self.interval == 0 or step == self.layout.train_iters
 
     def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int, skipped: int = 0,
              timing: dict | None = None) -> dict:

@@ -57,10 +57,15 @@ def parameter_groups(model: nn.Module, opt, named: bool = False) -> list[dict]:
     for name, param in model.named_parameters():
         if param.requires_grad:
             members[group[name]].append((name, param) if named else param)
-    settings = {Group.DECAY: (opt.weight_decay, math.inf), Group.NO_DECAY: (0.0, math.inf),
-                Group.SSM: (0.0, opt.ssm_lr_max)}
-    return [{"params": params, "name": g.value, "weight_decay": settings[g][0], "max_lr": settings[g][1]}
+    settings = group_settings(opt)
+    return [{"params": params, "name": g.value, "weight_decay": settings[g.value][0], "max_lr": settings[g.value][1]}
             for g, params in members.items() if params]
+
+
+def group_settings(opt) -> dict[str, tuple[float, float]]:
+    """{group name: (weight decay, max_lr)}: what each parameter group takes from `opt`."""
+    return {Group.DECAY.value: (opt.weight_decay, math.inf), Group.NO_DECAY.value: (0.0, math.inf),
+            Group.SSM.value: (0.0, opt.ssm_lr_max)}
 
 
 def wsd_decay_steps(decay_fraction: float, train_iters: int) -> int:

@@ -70,14 +70,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..config import Config, ConfigError, ffn_hidden_size
+from ..config import Config, ConfigError, GiB, ffn_hidden_size
 from ..model.accounting import build_on_meta
 from ..model.pattern import layer_mixer
 from ..parallel.layout import stage_layers
 from ..parallel.tensor_parallel import padded_vocab_size, partition_dim
 from .layout import training_layout
 
-GiB = 1024 ** 3
 ZERO_BUCKET_ELEMENTS = 500_000_000   # DeepSpeed's default reduce_bucket_size (zero/config.py)
 
 # bytes per block, see the module docstring; keys (mixer, bf16 autocast)
@@ -122,14 +121,16 @@ _COUNTS: dict = {}
 
 
 def _parameter_table(cfg: Config) -> dict:
-    """{part: [(name, numel)]} for the embedding, each block, the final norm and the LM head,
-    from one build on the meta device (exact, no memory; cached: a plan asks hundreds of times)."""
+    """{part: [(name, numel, split by TP?)]} for the embedding, each block, the final norm and the
+    LM head, from one build on the meta device (exact, no memory; cached: a plan asks hundreds of
+    times, and asking each parameter's role every time cost the grid's dry run 8 of its 11 s)."""
     key = repr(cfg.model)
     if key not in _SHAPES_CACHE:
         model = build_on_meta(cfg.model)
         parts = {"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head,
                  **{f"layers.{i}": block for i, block in enumerate(model.layers)}}
-        _SHAPES_CACHE[key] = {prefix: [(f"{prefix}.{n}", p.numel()) for n, p in mod.named_parameters()]
+        _SHAPES_CACHE[key] = {prefix: [(f"{prefix}.{n}", p.numel(), partition_dim(f"{prefix}.{n}", cfg.model)
+                                        is not None) for n, p in mod.named_parameters()]
                               for prefix, mod in parts.items()}
     return _SHAPES_CACHE[key]
 
@@ -146,9 +147,9 @@ def stage_parameters(cfg: Config, tp: int, pp: int) -> list[int]:
     def count(prefix):
         if prefix not in counted:
             total = 0
-            for name, n in table[prefix]:
+            for _, n, split in table[prefix]:
                 n = n * vocab_scale if prefix in ("embed", "lm_head") else n
-                total += n // tp if partition_dim(name, m) is not None else n
+                total += n // tp if split else n
             counted[prefix] = int(total)
         return counted[prefix]
 
@@ -243,8 +244,8 @@ def largest_parameter(cfg: Config, tp: int, pp: int, stage: int) -> int:
     parts += ["embed"] if stage == 0 else []
     parts += ["norm", "lm_head"] if stage == pp - 1 else []
     sizes = [int(n * vocab_scale if part in ("embed", "lm_head") else n)
-             // (tp if partition_dim(name, m) is not None else 1)
-             for part in parts for name, n in table[part]]
+             // (tp if split else 1)
+             for part in parts for _, n, split in table[part]]
     return max(sizes, default=0)
 
 
@@ -388,29 +389,3 @@ def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
            f"least communication among those ({best.comm_total / GiB:.1f} GiB sent per GPU and step)",
            f"DP={best.data}"]
     return best, ", ".join(why) + f"; {len(fitting)} of {len(estimates)} layouts fit"
-
-
-def parse_size(text: str, option: str = "memory size", allow_zero: bool = False) -> float:
-    """'80GiB', '80GB', '80G' (binary), '81920MiB', '1024B' -> bytes. A bare number is refused:
-    '80' is 80 GiB to the user who typed it and 80 bytes to a parser, so neither is guessed."""
-    units = {"tib": 1024 ** 4, "tb": 1024 ** 4, "t": 1024 ** 4, "gib": GiB, "gb": GiB, "g": GiB,
-             "mib": 1024 ** 2, "mb": 1024 ** 2, "m": 1024 ** 2, "b": 1}
-    s = text.strip().lower()
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = None
-    if value == 0 and not unit and allow_zero:   # a bare 0 is 0 in any unit
-        return 0.0
-    out_of_range = value is not None and (value < 0 or (value == 0 and not allow_zero))
-    if value is not None and not unit and not out_of_range:   # (a bare 0 once got the advice "Write 0GiB")
-        raise ConfigError(f"{option} '{text}' has no unit: {number} what? Write {number}GiB (or {number}GB, "
-                          f"{number}MiB).")
-    if (unit and unit not in units) or value is None or value != value or value == float("inf"):
-        raise ConfigError(f"{option} '{text}' is not understood; write e.g. 80GiB or 81920MiB.")
-    if out_of_range:
-        raise ConfigError(f"{option} '{text}' must be {'at least 0' if allow_zero else 'more than 0'} "
-                          f"(e.g. 80GiB).")
-    return value * units[unit]

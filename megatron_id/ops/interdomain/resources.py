@@ -184,7 +184,10 @@ def compile_one(name: str, spec: dict, arch: str, config: dict) -> dict:
         start = time.perf_counter()
         with contextlib.redirect_stdout(log), triton.knobs.compilation.scope():
             triton.knobs.compilation.always_compile = always
-            kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(config))
+            # fp fusion (FMA) said explicitly, as Triton 3.9 enables it by default: without it every
+            # compile warns that the default changes in 3.10 (two lines a kernel in kernel-resources)
+            kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                                    options=dict(config, enable_fp_fusion=True))
         return kernel, time.perf_counter() - start, _ptxas_figures(log.getvalue())
 
     kernel, seconds, figures = build(always=False)
