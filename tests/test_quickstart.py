@@ -46,6 +46,9 @@ def test_quickstart_runs_as_the_readme_says_from_a_fresh_clone(tmp_path):
     assert said and float(said[1]) == round(math.log(50257), 1) and abs(float(said[2]) - valid[-1]) < 0.3, \
         (said and said.groups(), valid)
     assert "validation at step 0 " not in log and "torch/distributed/run.py" not in output, output[-3000:]
+    # issue 52: "the loss starts at 10.8" is on the console, at step 1 (it started at the log interval, 20)
+    first = re.search(r"^step 1/150 .*?\| loss ([\d.]+) \|", log, re.M)
+    assert first and round(float(first[1]), 1) == float(said[1]), log[:3000]
     latest = (run / "checkpoints" / "latest").read_text()
     assert latest == "iter_0000150"
     assert (run / "checkpoints" / latest / "mp_rank_00_model_states.pt").is_file()

@@ -51,6 +51,11 @@ def refuse_empty_overrides(overrides) -> None:
                               f"{key}=null) to leave it unset on purpose.")
 
 
+def _choose_accelerator() -> None:
+    """DeepSpeed's accelerator, unless DS_ACCELERATOR says it: CUDA where torch sees a GPU."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
+
+
 def run(args) -> int:
     # SIGTERM / SIGUSR1 during the minutes of imports and setup must not kill the rank (their
     # default action): note them, and the trainer stops at its first step boundary
@@ -61,16 +66,18 @@ def run(args) -> int:
     refuse_empty_overrides(args.overrides)
     if args.nproc is not None:
         check_nproc(args.nproc)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
     if args.nproc is not None:   # start the ranks of this machine (training/launcher.py)
-        from ..training.layout import training_layout  # torch: not at import (cli.py)
-        check_devices(args.nproc)
         said = io.StringIO()   # its warnings: rank 0 says them, or this process before its error
         try:
             with contextlib.redirect_stderr(said):
-                cfg = load_config(args.config, args.overrides)   # errors: once, before any rank starts
+                # errors: once, before any rank starts, and before torch's import (a refused
+                # config takes 0.5 s, not 2)
+                cfg = load_config(args.config, args.overrides)
+                _choose_accelerator()
+                from ..training.layout import training_layout  # torch: not at import (cli.py)
+                check_devices(args.nproc)
                 layout = training_layout(cfg, args.nproc)   # as is a layout the ranks cannot hold
                 check_host(cfg, layout, args.nproc)   # and, on CPU, more memory than the host has
         except BaseException:
@@ -80,6 +87,7 @@ def run(args) -> int:
         return launch(args.nproc, [*(a for c in args.config for a in ("--config", c)), *args.overrides], debug,
                       early=early_stop)
     cfg = load_config(args.config, args.overrides)   # config errors first, before heavy imports
+    _choose_accelerator()
     # torch and DeepSpeed: not at import (cli.py)
     import torch.distributed as dist
 
