@@ -91,6 +91,7 @@ from .distributed import (
     uses_cuda,
 )
 from .documents import DocumentOptions, document_index
+from .faults import FaultInjector
 from .layout import deepspeed_config, training_layout
 from .loss import LanguageModelLoss
 from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
@@ -417,6 +418,7 @@ class Trainer:
         deepspeed.init_distributed(dist_backend=dist.get_backend())   # adopts the existing group
         self.cfg = cfg
         self.layout = training_layout(cfg, dist.get_world_size())   # all checks before any work
+        self.faults = FaultInjector(dist.get_rank())   # drills (training/faults.py); a bad spec refused here
         self.save_lock = None
         # data, tokenizers and folders, on rank 0; every rank learns where to resume from and
         # the tokenizer identity its checkpoints record
@@ -741,6 +743,7 @@ class Trainer:
     def _train_batch(self) -> float:
         if self.pipelined:   # DeepSpeed runs the 1F1B schedule over gradient_accumulation micro-batches
             with self._autocast(self.device), self.timer.phase("pipeline_schedule"):
+                self.faults.slow_down(self.step + 1)
                 loss = self.engine.train_batch(self._pipeline_batches(self.train_data, self.sampler))
             if "data" in self.timer.phases:   # read inside the schedule: count it once
                 self.timer.phases["pipeline_schedule"] -= self.timer.phases["data"]
@@ -750,6 +753,7 @@ class Trainer:
         total = torch.zeros(1, device=self.device)   # NCCL reduces only device tensors
         for batch in self._micro_batches(self.train_data, self.sampler, self.layout.gradient_accumulation):
             with self.timer.phase("forward"):
+                self.faults.slow_down(self.step + 1)
                 loss = self._training_loss(batch)
             with self.timer.phase("backward"):   # with the gradient reduction at the boundary
                 self.engine.backward(loss)
@@ -787,6 +791,7 @@ class Trainer:
                 self.save_checkpoint(t.save)   # the starting weights (train.extra_save_steps: [0])
             while self.step < end and not self._stop_agreed():
                 heartbeat.beat(self.step)
+                self.faults.before_step(self.step + 1)
                 profile.before_step(self.step + 1)
                 self.time_next_step = metrics.logs(self.step + 1)
                 losses.append(self.train_step())
