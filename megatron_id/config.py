@@ -274,6 +274,21 @@ class TrainConfig:
     # checkpoints: copy to host memory, then write in the background (the same staging, manifest
     # and `latest` protocol; the next save, and the end of the run, wait for it)
     async_save: bool = False
+    # in-job restarts (training/resilience.py): when a rank exits, is killed, raises or hangs past
+    # train.collective_timeout_minutes, every rank is restarted in the same job or allocation and
+    # resumes from the newest checkpoint (train.local_save's, else train.save's), up to this many
+    # times; then the run ends with the failed rank's status as without restarts. Under
+    # `megatron-id train --nproc`, launch/local.sh and launch/slurm/train.sbatch the ranks then run
+    # under torch.distributed.elastic (torchrun's agent and c10d rendezvous) [our choice: 0, off:
+    # a deterministic error would be repeated this many times before it ends the run]
+    max_restarts: int = 0
+    # cheap frequent saves for in-job restarts (Megatron's non-persistent local checkpoints): each
+    # rank writes its own shard of the model, optimizer and RNG into this node-local folder every
+    # train.local_save_interval steps, keeping its two newest; read back only by a restart of the
+    # same run at the same layout and config, never by another layout (then train.save's
+    # checkpoint is the fallback). Not with ZeRO-3 or data.carry_state. None: off
+    local_save: Optional[str] = None
+    local_save_interval: int = 0      # steps between local saves (with train.local_save; at least 1)
     # data.carry_state: each row's model.seq_length tokens run as this many windows in order, the
     # state carried between them with its gradient (the gradient reaches back that many windows;
     # between steps it always stops). Same function as one window of seq_length; a knob of the
@@ -773,6 +788,11 @@ def _check_ranges(cfg: Config) -> None:
          t.distill.kl_weight >= 0 and math.isfinite(t.distill.kl_weight), "must be >= 0"),
         ("train.distill.lm_weight", t.distill.lm_weight,
          t.distill.lm_weight >= 0 and math.isfinite(t.distill.lm_weight), "must be >= 0 (0: the teacher alone)"),
+        ("train.max_restarts", t.max_restarts, t.max_restarts >= 0, "must be >= 0 (0: a failed rank ends the run)"),
+        ("train.local_save_interval", t.local_save_interval,
+         t.local_save_interval >= 1 if t.local_save else t.local_save_interval >= 0,
+         "must be at least 1 with train.local_save set (steps between local saves)" if t.local_save else
+         "must be >= 0"),
         ("train.collective_timeout_minutes", t.collective_timeout_minutes,
          0 < t.collective_timeout_minutes and math.isfinite(t.collective_timeout_minutes),
          "must be a positive number of minutes"),

@@ -11,7 +11,15 @@ import warnings
 
 from ..allocator import keep_freed_memory
 from ..config import ConfigError, load_config
-from ..training.launcher import check_devices, check_host, check_nproc, launch, stopped_exit_status
+from ..training.launcher import (
+    check_devices,
+    check_host,
+    check_nproc,
+    launch,
+    launch_elastic,
+    run_finished,
+    stopped_exit_status,
+)
 from .options import add_config_args
 
 # Run after main() returns, just before the process exits (see cli.entry()).
@@ -80,12 +88,19 @@ def run(args) -> int:
                 check_devices(args.nproc)
                 layout = training_layout(cfg, args.nproc)   # as is a layout the ranks cannot hold
                 check_host(cfg, layout, args.nproc)   # and, on CPU, more memory than the host has
+                from ..training.faults import ENV, parse_faults
+                from ..training.resilience import check_resilience
+                check_resilience(cfg)   # (a rank's refusal would be restarted train.max_restarts times)
+                parse_faults(os.environ.get(ENV, ""))
         except BaseException:
             sys.stderr.write(said.getvalue())
             raise
         debug = "--debug" in sys.argv[1:]
-        return launch(args.nproc, [*(a for c in args.config for a in ("--config", c)), *args.overrides], debug,
-                      early=early_stop)
+        train_args = [*(a for c in args.config for a in ("--config", c)), *args.overrides]
+        if cfg.train.max_restarts > 0:   # under torch.distributed.elastic's agent (training/resilience.py)
+            return launch_elastic(args.nproc, train_args, cfg.train.max_restarts, debug, early=early_stop,
+                                  finished=lambda: run_finished(cfg.train.save, layout.train_iters))
+        return launch(args.nproc, train_args, debug, early=early_stop)
     cfg = load_config(args.config, args.overrides)   # config errors first, before heavy imports
     _choose_accelerator()
     # torch and DeepSpeed: not at import (cli.py)

@@ -109,8 +109,23 @@ def init_distributed_from_env(timeout_minutes: float = 10.0) -> None:
     if backend == "gloo":
         skip_deepspeed_shm_build()
     timeout = timedelta(minutes=timeout_minutes)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":   # under torch.distributed.elastic's agent
+        _init_in_attempt(backend, timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)   # (adopts it)
     set_default_group_timeout(timeout)
+
+
+def _init_in_attempt(backend: str, timeout: timedelta) -> None:
+    """The process group on the elastic agent's store, under a prefix of this restart attempt.
+    torch's env:// rendezvous on the agent's store adds none (torch 2.13), so the ranks of a
+    restarted attempt read the previous attempt's gloo addresses and fail to connect ("Connection
+    refused"): every in-job restart failed, also under plain torchrun --max-restarts."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    store = dist.PrefixStore(f"megatron_id/attempt_{attempt}", client)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def skip_deepspeed_shm_build() -> None:

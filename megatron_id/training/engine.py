@@ -92,6 +92,7 @@ from .distributed import (
 )
 from .documents import DocumentOptions, document_index
 from .faults import FaultInjector
+from .resilience import LocalSaves, check_resilience, restart_line
 from .layout import deepspeed_config, training_layout
 from .loss import LanguageModelLoss
 from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
@@ -176,6 +177,7 @@ def check_run(cfg: Config, layout, on_gpu: bool):
     if d.carry_state:   # so does carrying the state (documents restart it)
         carried_eod_id(cfg)
     check_wandb(cfg)
+    check_resilience(cfg)
     check_metrics_file(t.metrics_file)
     check_export_at_end(cfg)
     if t.compile:   # inductor's compiler, before the first step would find it missing
@@ -205,6 +207,7 @@ def _path_keys(cfg: Config) -> dict[str, str]:
     t, d = cfg.train, cfg.data
     keys = {"train.save": t.save, "train.load": t.load, "train.tensorboard_dir": t.tensorboard_dir,
             "train.metrics_file": t.metrics_file, "train.export_hf_at_end": t.export_hf_at_end,
+            "train.local_save": t.local_save,
             "train.profile.dir": t.profile.dir, "train.wandb.dir": t.wandb.dir, "data.tokenizer": d.tokenizer,
             "data.index_cache_dir": d.index_cache_dir, "train.distill.teacher": t.distill.teacher}
     keys.update({f"data.data_path[{i}]": x for i, x in enumerate(d.data_path)})
@@ -422,7 +425,7 @@ class Trainer:
         self.save_lock = None
         # data, tokenizers and folders, on rank 0; every rank learns where to resume from and
         # the tokenizer identity its checkpoints record
-        self.resume_from, self.tokenizer_id, self.finished_at = agree_on_rank0(self._preflight)
+        self.resume_from, self.tokenizer_id, self.finished_at, self.resume_step = agree_on_rank0(self._preflight)
         if self.finished_at is not None and skip_finished:   # a rerun of a finished run: nothing to build
             self.step, self.stop_signal, self.stop_requested, self.pending_save = self.finished_at, 0, False, None
             return
@@ -496,7 +499,13 @@ class Trainer:
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
         self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
-        if self.resume_from is not None:
+        # train.local_save: this run's own local saves when newer than train.save's (a restart)
+        self.local_saves = LocalSaves(self) if cfg.train.local_save else None
+        local = self.local_saves.resume(self, self.resume_step) if self.local_saves is not None else None
+        self.resumed_locally = local is not None
+        if local is not None:
+            self._adopt(local, rng=False)   # (each rank's own RNG: set by resume)
+        elif self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
         self._restart_sampler()
         if cfg.train.save:   # a disk too small for a checkpoint: refused now, not at the first save
@@ -522,7 +531,7 @@ class Trainer:
         if note:
             print(note, file=sys.stderr, flush=True)
         finished = step if step is not None and step >= self.layout.train_iters else None
-        return None if resume is None else str(resume), tokenizer.identity, finished
+        return None if resume is None else str(resume), tokenizer.identity, finished, step
 
     def close(self) -> None:
         """Release train.save (the lock) at the end of a run, after a background save in flight
@@ -778,10 +787,14 @@ class Trainer:
         start_step = self.step
         metrics = Metrics(self.cfg, self.layout, is_logger=dist.get_rank() == 0, start_step=start_step,
                           wandb_run_id=self.wandb_run_id, metrics_record=getattr(self, "metrics_record", None),
-                          resumed=self.resume_from is not None and not finetunes(self.cfg, self.resume_from))
+                          resumed=self.resumed_locally or (self.resume_from is not None
+                                                           and not finetunes(self.cfg, self.resume_from)))
         self.metrics = metrics   # its file's position goes into each checkpoint
         self.wandb_run_id = metrics.wandb_run_id or self.wandb_run_id   # kept in the checkpoints
         metrics.header(self.cfg, start_step)
+        restarted = restart_line(self.cfg)
+        if restarted and dist.get_rank() == 0:
+            print(restarted, file=sys.stderr, flush=True)
         profile = ProfileWindow(self.cfg, dist.get_rank(), self.device)
         heartbeat = Heartbeat()
         try:
@@ -805,9 +818,13 @@ class Trainer:
                 metrics.end_step(self.step)
                 if t.save and (self.step % t.save_interval == 0 or self.step in t.extra_save_steps):
                     self.save_checkpoint(t.save)
+                elif self.local_saves is not None and self.local_saves.due(self.step):
+                    self.save_locally()
             if self.cfg.train.save and self.step != self.saved_step:
                 self.save_checkpoint(self.cfg.train.save)
             self.wait_for_saves()   # an asynchronous save finishes before the run says it is done
+            if self.local_saves is not None and self.step >= self.layout.train_iters:
+                self.local_saves.remove_all()   # the final checkpoint (or the run's end) supersedes them
             if self.cfg.train.export_hf_at_end and self.step >= self.layout.train_iters:
                 self._export_at_end()
         except RuntimeError as err:
@@ -900,8 +917,9 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, root) -> Path:
-        client = ClientState(
+    def client_state(self) -> ClientState:
+        """What a checkpoint records besides the weights and optimizer state."""
+        return ClientState(
             step=self.step, model=model_config_dict(self.cfg.model), layout=engine_io.current_layout(self),
             consumed_samples=self.step * self.layout.global_batch_size,
             tokenizer=str(Path(self.cfg.data.tokenizer).resolve()) if self.cfg.data.tokenizer else None,
@@ -912,6 +930,16 @@ class Trainer:
             optimizer=optimizer_record(self.cfg),   # what a resume continues (check_resume_optimizer)
             # no optimizer state: train.save_optimizer=false, or step 0 (Adam has none yet)
             weights_only=not self.cfg.train.save_optimizer or self.step == 0)
+
+    def save_locally(self) -> None:
+        """train.local_save: this rank's shard, for an in-job restart (training/resilience.py)."""
+        seconds = self.local_saves.save(self, self.client_state())
+        self.last_local_save = seconds
+        if dist.get_rank() == 0:
+            print(f"local save of step {self.step} in {seconds:.2f} s (train.local_save)", file=sys.stderr, flush=True)
+
+    def save_checkpoint(self, root) -> Path:
+        client = self.client_state()
         self.wait_for_saves()   # one save at a time: the previous one is committed first
         if self.cfg.train.async_save:
             started = time.perf_counter()
@@ -975,10 +1003,14 @@ class Trainer:
             return
         client = engine_io.load(self, root)
         self._apply_optimizer_settings()
-        self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
         if self.carry is not None:   # each row's state, or (said once) every row from zero
             engine_io.load_carried_state(self, root)
+        self._adopt(client)
+
+    def _adopt(self, client: ClientState, rng: bool = True) -> None:
+        """Continue from a checkpoint's (or a local save's) client state."""
+        self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
         self.wandb_run_id = client.wandb_run_id
         self.metrics_record = client.metrics_file   # what a resume may trim of train.metrics_file
-        if client.rng is not None:
+        if rng and client.rng is not None:
             set_rng_state(client.rng)

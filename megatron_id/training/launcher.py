@@ -174,6 +174,78 @@ def launch(nproc: int, train_args: list[str], debug: bool = False, early=()) -> 
             signal.signal(sig, handler)
 
 
+def launch_elastic(nproc: int, train_args: list[str], max_restarts: int, debug: bool = False, early=(),
+                   finished=None) -> int:
+    """launch() with in-job restarts (train.max_restarts > 0): the ranks run under
+    torch.distributed.elastic's agent (torchrun's), which restarts all of them when one fails,
+    up to `max_restarts` times (training/resilience.py). Exit statuses as launch(): a rank stopped
+    by SIGTERM / SIGUSR1 after saving exits 0 here (any other status would be restarted), so a stop
+    is told from a finish by `finished()` (the run reached its last step); then 3.
+    `finished`: a function saying whether the run is complete (reads train.save's `latest`)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+    from ..allocator import ALLOCATOR_ENV
+    check_nproc(nproc)
+    if early:
+        return launch(nproc, train_args, debug, early)   # (says so; nothing started)
+    if not any(k in os.environ for k in ALLOCATOR_ENV):
+        os.environ.update(ALLOCATOR_ENV)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(PYTHONUNBUFFERED="1", MEGATRON_ID_STOPPED_EXIT_STATUS="0")
+    if debug:
+        os.environ["MEGATRON_ID_DEBUG"] = "1"
+    _quiet_elastic_logs()
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"megatron-id-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
+                          monitor_interval=0.5, signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    try:
+        launch_agent(config, sys.executable, ["-m", "megatron_id.cli", "train", *train_args])
+    except ChildFailedError as err:
+        number, failure = err.get_first_failure()   # (the others were stopped by the agent)
+        status = failure.exitcode
+        restarts = f"after {max_restarts} in-job restart(s) (train.max_restarts={max_restarts})"
+        if status < 0:
+            name = signal.Signals(-status).name if -status in signal.Signals._value2member_map_ else str(-status)
+            print(f"megatron-id train: rank {number} was killed by {name} {restarts}; the run ended with it "
+                  f"(exit {128 - status})", file=sys.stderr, flush=True)
+            return 128 - status
+        print(f"megatron-id train: rank {number} failed (exit {status}) {restarts}; the run ended with it",
+              file=sys.stderr, flush=True)
+        return status
+    except SignalException as err:
+        if err.sigval == signal.SIGINT:
+            return 130
+        if err.sigval in (signal.SIGTERM, signal.SIGUSR1):
+            return 0 if finished is not None and finished() else stopped_exit_status()
+        return 128 + int(err.sigval)
+    return 0 if finished is None or finished() else stopped_exit_status()
+
+
+def run_finished(save: str, train_iters: int) -> bool:
+    """Whether train.save's `latest` is at the run's last step (a finished run, not a stopped one)."""
+    from ..checkpoint.files import latest_folder, step_of
+    try:
+        folder = latest_folder(save)
+    except Exception:
+        return False
+    return folder is not None and step_of(folder.name) >= train_iters
+
+
+def _quiet_elastic_logs() -> None:
+    """The agent's INFO lines (its launch config, each rendezvous) are for torchrun's debugging;
+    its warnings (a failed worker group, the restart) are printed, marked as the agent's."""
+    import logging
+    log = logging.getLogger("torch.distributed.elastic")
+    log.setLevel(logging.WARNING)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("megatron-id train (torch elastic agent): %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
 def _wait(ranks: list[subprocess.Popen]) -> int:
     first_failure = None   # (rank, status) of the first rank that ended with a non-zero status
     failed_at = terminated_at = None
