@@ -92,7 +92,6 @@ from .distributed import (
 )
 from .documents import DocumentOptions, document_index
 from .faults import FaultInjector
-from .resilience import LocalSaves, check_resilience, restart_line
 from .layout import deepspeed_config, training_layout
 from .loss import LanguageModelLoss
 from .metrics import Metrics, check_metrics_file, check_wandb, metrics_position
@@ -106,6 +105,7 @@ from .optim import (
 )
 from .plan import run_estimate_gib
 from .profiling import ProfileWindow, StepTimer
+from .resilience import LocalSaves, check_resilience, restart_line
 
 
 def check_export_at_end(cfg: Config) -> None:
