@@ -77,6 +77,7 @@ from ..parallel import state
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
 from ..parallel.pipeline import pipeline_model
 from ..parallel.tensor_parallel import parallel_model
+from . import spikes as spike_hooks
 from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
 from .carry import CarriedRows, carried_eod_id, check_carried_resume
 from .compilation import check_compile_toolchain, compile_engine
@@ -105,6 +106,7 @@ from .optim import (
 )
 from .plan import run_estimate_gib
 from .profiling import ProfileWindow, StepTimer
+from .spikes import SpikeMonitor
 
 
 def check_export_at_end(cfg: Config) -> None:
@@ -496,6 +498,7 @@ class Trainer:
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
         self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
+        self.spikes = SpikeMonitor(cfg.train, self.layout.global_batch_size, len(self.train_data))   # loss spikes
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
         self._restart_sampler()
@@ -543,7 +546,8 @@ class Trainer:
         """The data position is the number of samples consumed: resuming continues the order."""
         consumed = self.step * self.layout.global_batch_size
         self.sampler = iter(PretrainingSampler(len(self.train_data), consumed, self.layout.micro_batch_size,
-                                               state.get_sample_parallel_rank(), self.layout.data))
+                                               state.get_sample_parallel_rank(), self.layout.data,
+                                               skipped=self.spikes.skipped))   # (spiky batches rolled back)
 
     def _datasets(self):
         d = self.cfg.data   # checked by _preflight
@@ -726,8 +730,9 @@ class Trainer:
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
         updates_before = self.guard.updates
+        spike_hooks.arm(self)   # the step's spike limit (training/spikes.py)
         loss = self._train_batch()
-        self.last_skipped = self.guard.updates == updates_before
+        self.last_skipped = self.guard.updates == updates_before and not self.guard.spiked   # non-finite
         self.last_timing = self.timer.result()
         return loss
 
@@ -797,12 +802,16 @@ class Trainer:
                 losses.append(self.train_step())
                 profile.after_step(self.step)
                 self._count_nonfinite()
+                roll_back = spike_hooks.observe(self, losses[-1], metrics)
                 metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
                              skipped=self.skipped_steps, timing=self.last_timing)
                 if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
                     for name, loss in self.evaluate_all().items():
                         metrics.validation(self.step, loss, name)
                 metrics.end_step(self.step)
+                if roll_back:   # M spikes: the latest checkpoint, their batches skipped
+                    spike_hooks.roll_back(self)
+                    continue
                 if t.save and (self.step % t.save_interval == 0 or self.step in t.extra_save_steps):
                     self.save_checkpoint(t.save)
             if self.cfg.train.save and self.step != self.saved_step:
@@ -910,6 +919,7 @@ class Trainer:
             data=self.data_record(), wandb_run_id=self.wandb_run_id,
             metrics_file=metrics_position(getattr(getattr(self, "metrics", None), "jsonl", None)),
             optimizer=optimizer_record(self.cfg),   # what a resume continues (check_resume_optimizer)
+            spikes=self.spikes.state(),   # the samples skipped after loss spikes, the running window
             # no optimizer state: train.save_optimizer=false, or step 0 (Adam has none yet)
             weights_only=not self.cfg.train.save_optimizer or self.step == 0)
         self.wait_for_saves()   # one save at a time: the previous one is committed first
@@ -976,6 +986,7 @@ class Trainer:
         client = engine_io.load(self, root)
         self._apply_optimizer_settings()
         self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
+        self.spikes.load(client.spikes)
         if self.carry is not None:   # each row's state, or (said once) every row from zero
             engine_io.load_carried_state(self, root)
         self.wandb_run_id = client.wandb_run_id
