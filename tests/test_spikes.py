@@ -70,22 +70,26 @@ def test_stream_positions_and_sampler_skip_ranges():
 
 @pytest.mark.slow
 def test_poisoned_batch_is_skipped_logged_and_skipped_again_on_resume(fineweb_prefix, tmp_path, monkeypatch, capfd):
-    clean = run_distributed(_run, 1, args=(items(fineweb_prefix, 8, tmp_path / "clean"),), timeout=300)[0]
+    """On 2 pipeline stages: the poison goes through the last stage's loss, and the first stage,
+    which sees no loss, skips the same update (the decision is agreed in the guard's all-reduce)."""
+    pp = "parallel.pipeline_model_parallel_size=2"
+    run = lambda save: run_distributed(_run, 2, args=(items(fineweb_prefix, 8, save, pp),), timeout=300)  # noqa: E731
+    clean = run(tmp_path / "clean")[0]
     monkeypatch.setenv(ENV, "spike:sample=21:factor=1000")   # in step 6's batch (samples 20-23)
-    run = items(fineweb_prefix, 8, tmp_path / "spiky")
-    record, updates, spikes = run_distributed(_run, 1, args=(run,), timeout=300)[0]
+    ranks = run(tmp_path / "spiky")
     first = capfd.readouterr().err
+    record, updates, spikes = ranks[0]
     losses = [loss for _, loss, _ in record]
     assert losses[:5] == [loss for _, loss, _ in clean[0][:5]]
     assert losses[5] == pytest.approx(1000 * clean[0][5][1], rel=1e-5)   # the real step, its loss x1000
-    assert [unchanged for _, _, unchanged in record[1:]] == [False] * 4 + [True] + [False] * 2   # (step 1: LR 0)
-    assert (updates, clean[1]) == (7, 8)   # one update fewer than the run without the poison
-    assert spikes["count"] == 1 and spikes["skipped"] == []   # skipped, not rolled back (M=3)
+    for record, updates, spikes in ranks:   # each stage's weights: unchanged by step 6 only (step 1: LR 0)
+        assert [unchanged for _, _, unchanged in record[1:]] == [False] * 4 + [True] + [False] * 2
+        assert (updates, clean[1]) == (7, 8)   # one update fewer than the run without the poison
+        assert spikes["count"] == 1 and spikes["skipped"] == []   # skipped, not rolled back (M=3)
     assert "step 6: loss spike (loss" in first and "update skipped; global samples 20-23" in first
     # killed after step 4's checkpoint: the resumed run meets the same samples and skips them again
-    resumed = resume_copy(tmp_path / "spiky", 4, tmp_path / "resumed")
-    again, updates, _ = run_distributed(_run, 1, args=(items(fineweb_prefix, 8, resumed),), timeout=300)[0]
-    assert again == record[4:] and updates == 3   # steps 5, 7 and 8
+    again = run(resume_copy(tmp_path / "spiky", 4, tmp_path / "resumed"))
+    assert [r[:2] for r in again] == [(ranks[r][0][4:], 3) for r in range(2)]   # steps 5, 7 and 8 update
     assert re.search(r"step 6: loss spike \(loss .*\), update skipped; global samples 20-23\n", capfd.readouterr().err)
 
 

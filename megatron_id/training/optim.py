@@ -189,10 +189,10 @@ class GuardedAdamW(torch.optim.AdamW):
             bad_loss = self._nonfinite_losses.to(device) > 0
             flag[0] += torch.where(bad_loss, math.inf, 0.0)   # kept for the batch's other groups:
             # DeepSpeed's ZeRO calls step() once per parameter group; end_of_step() clears it
-        if dist.is_initialized():
-            dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
         if self.loss_limit is not None and self._loss_sum is not None:
             flag[1:] += self._loss_sum.to(device)
+        if dist.is_initialized():
+            dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
         total, loss_sum, count = flag.tolist()
         if self.clip_grad is None:
             finite = total == 0
