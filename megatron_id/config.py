@@ -251,6 +251,24 @@ class TrainConfig:
     tensorboard_dir: Optional[str] = None   # TensorBoard event files (rank 0); None: off
     peak_tflops: float = 989.0        # per device, for MFU (H100 SXM dense bf16)
     max_nonfinite_in_a_row: int = 5   # stop after this many skipped non-finite steps in a row (0: never)
+    # loss spikes (training/spikes.py; docs/training-loop.md): a step whose loss is above this
+    # multiple of the median of the last train.spike_window steps' losses, or not finite, has its
+    # update skipped on every rank and is logged with its batch's global sample indices.
+    # [our choice: 0, off: a skip changes what the model learns from, so a run opts in; Megatron-LM's
+    # spiky-loss check is off by default too. A pretraining spike is a jump of 2-10x the running
+    # loss (llm-foundry's KillLossSpike flags 2x its window's median); 3-5 is a usual setting]
+    spike_factor: float = 0.0
+    # steps whose losses the median is over; detection starts once that many steps were accepted
+    # [100, llm-foundry's KillLossSpike window: a median of 100 steps is steady, and the first 100
+    # steps, where the loss falls fastest, are never judged]
+    spike_window: int = 100
+    # after this many spikes within train.spike_rollback_window steps: reload the latest checkpoint
+    # of train.save and go on with those spikes' batches skipped (recorded in every later
+    # checkpoint: a resume skips them too); 0: never roll back, only skip the updates
+    # [3 in 100: PaLM restarted ~100 steps before spikes that came again; one isolated spike is
+    # only skipped]
+    spike_rollback_after: int = 3
+    spike_rollback_window: int = 100   # steps within which train.spike_rollback_after spikes roll back
     # every collective's timeout: a hung rank ends the job after this long instead of stalling
     # it. 10 as Megatron's --distributed-timeout-minutes. The data index is not under it: rank 0
     # builds it while the others wait on its files, as long as rank 0 shows signs of life
@@ -779,6 +797,14 @@ def _check_ranges(cfg: Config) -> None:
         ("train.peak_tflops", t.peak_tflops, t.peak_tflops > 0, "must be positive (per device, for MFU)"),
         ("train.max_nonfinite_in_a_row", t.max_nonfinite_in_a_row, t.max_nonfinite_in_a_row >= 0,
          "must be >= 0 (0: never stop)"),
+        ("train.spike_factor", t.spike_factor,
+         t.spike_factor == 0 or (t.spike_factor > 1 and math.isfinite(t.spike_factor)),
+         "must be 0 (off) or above 1 (a loss this many times the running median is a spike; e.g. 4)"),
+        ("train.spike_window", t.spike_window, t.spike_window >= 1, "must be at least 1 (steps of the running median)"),
+        ("train.spike_rollback_after", t.spike_rollback_after, t.spike_rollback_after >= 0,
+         "must be >= 0 (0: never roll back)"),
+        ("train.spike_rollback_window", t.spike_rollback_window, t.spike_rollback_window >= 1,
+         "must be at least 1 (steps)"),
         ("train.profile.start_step", t.profile.start_step, t.profile.start_step >= 1,
          "must be at least 1 (the first step)"),
         ("train.profile.steps", t.profile.steps, t.profile.steps >= 1, "must be at least 1"),

@@ -234,6 +234,9 @@ class ClientState:
     # the schedule's keys and AdamW's; training/engine.py optimizer_record); None: written before
     # they were recorded, or by import-hf
     optimizer: dict | None = None
+    # loss spikes (training/spikes.py SpikeMonitor.state): the sample ranges the data order skips
+    # after a rollback, the running window of losses, the recent spikes; None: none recorded
+    spikes: dict | None = None
 
     def model_config(self) -> ModelConfig:
         """The model as saved, for readers (eval, generate, export, conversion). core_impl is

@@ -458,18 +458,41 @@ def check_valid_set(name: str, data_path, seq_length: int, vocab_size: int, cach
     _say_unchecked(unchecked, verify)
 
 
+def stream_positions(start: int, count: int, skipped=()) -> list[int]:
+    """Positions start..start+count-1 of the data order with the sample ranges `skipped` ([first,
+    end) pairs, sorted, disjoint) left out: the indices of the order without skips they fall on
+    (training/spikes.py; past the data's end they go on, and index % len(data) is the sample)."""
+    if not skipped:
+        return list(range(start, start + count))
+    out, index, ranges = [], start, list(skipped)
+    for first, end in ranges:   # where position `start` falls
+        if first <= index:
+            index += end - first
+    while len(out) < count:
+        inside = next((end for first, end in ranges if first <= index < end), None)
+        if inside is not None:
+            index = inside
+            continue
+        out.append(index)
+        index += 1
+    return out
+
+
 class PretrainingSampler:
     """Micro-batches of sample indices for one data-parallel rank, starting after
-    `consumed_samples` (counted over all ranks), so a resumed run continues the same order."""
+    `consumed_samples` (counted over all ranks), so a resumed run continues the same order.
+    skipped: sample ranges left out of the order (loss spikes rolled back, training/spikes.py);
+    with any, an index may run past the data's end and wraps to its start."""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int = 0, data_parallel_size: int = 1):
+                 data_parallel_rank: int = 0, data_parallel_size: int = 1, skipped=()):
         if not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data parallel rank {data_parallel_rank} not in [0, {data_parallel_size}).")
         if consumed_samples > total_samples:
             raise ValueError(f"consumed samples {consumed_samples} exceed the {total_samples} available.")
         self.total, self.consumed = total_samples, consumed_samples
         self.mbs, self.rank, self.size = micro_batch_size, data_parallel_rank, data_parallel_size
+        self.skipped = sorted(tuple(r) for r in skipped)
 
     def __len__(self) -> int:
         return (self.total - self.consumed) // (self.mbs * self.size)
@@ -478,4 +501,7 @@ class PretrainingSampler:
         step = self.mbs * self.size
         for start in range(self.consumed, self.total - step + 1, step):
             first = start + self.rank * self.mbs
-            yield list(range(first, first + self.mbs))
+            if not self.skipped:
+                yield list(range(first, first + self.mbs))
+                continue
+            yield [i % self.total for i in stream_positions(first, self.mbs, self.skipped)]

@@ -77,6 +77,7 @@ from ..parallel import state
 from ..parallel.context_parallel import ContextParallel, apply_context_parallel, split_sequence
 from ..parallel.pipeline import pipeline_model
 from ..parallel.tensor_parallel import parallel_model
+from . import spikes as spike_hooks
 from .agreement import RunTokenizer, check_host_memory, check_resume_model, check_resume_tokenizer, run_tokenizer
 from .carry import CarriedRows, carried_eod_id, check_carried_resume
 from .compilation import check_compile_toolchain, compile_engine
@@ -106,6 +107,7 @@ from .optim import (
 from .plan import run_estimate_gib
 from .profiling import ProfileWindow, StepTimer
 from .resilience import LocalSaves, check_resilience, restart_line
+from .spikes import SpikeMonitor
 
 
 def check_export_at_end(cfg: Config) -> None:
@@ -499,6 +501,7 @@ class Trainer:
         self.train_data = self._datasets()
         self.step, self.evaluations = 0, 0
         self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
+        self.spikes = SpikeMonitor(cfg.train, self.layout.global_batch_size, len(self.train_data))   # loss spikes
         # train.local_save: this run's own local saves when newer than train.save's (a restart)
         self.local_saves = LocalSaves(self) if cfg.train.local_save else None
         local = self.local_saves.resume(self, self.resume_step) if self.local_saves is not None else None
@@ -552,7 +555,8 @@ class Trainer:
         """The data position is the number of samples consumed: resuming continues the order."""
         consumed = self.step * self.layout.global_batch_size
         self.sampler = iter(PretrainingSampler(len(self.train_data), consumed, self.layout.micro_batch_size,
-                                               state.get_sample_parallel_rank(), self.layout.data))
+                                               state.get_sample_parallel_rank(), self.layout.data,
+                                               skipped=self.spikes.skipped))   # (spiky batches rolled back)
 
     def _datasets(self):
         d = self.cfg.data   # checked by _preflight
@@ -735,8 +739,9 @@ class Trainer:
         apply_learning_rate(self.optimizer, lr)
         self.last_lr = lr
         updates_before = self.guard.updates
+        spike_hooks.arm(self)   # the step's spike limit (training/spikes.py)
         loss = self._train_batch()
-        self.last_skipped = self.guard.updates == updates_before
+        self.last_skipped = self.guard.updates == updates_before and not self.guard.spiked   # non-finite
         self.last_timing = self.timer.result()
         return loss
 
@@ -810,12 +815,18 @@ class Trainer:
                 losses.append(self.train_step())
                 profile.after_step(self.step)
                 self._count_nonfinite()
+                roll_back = spike_hooks.observe(self, losses[-1], metrics)
                 metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
                              skipped=self.skipped_steps, timing=self.last_timing)
                 if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
                     for name, loss in self.evaluate_all().items():
                         metrics.validation(self.step, loss, name)
                 metrics.end_step(self.step)
+                if roll_back:   # M spikes: the latest checkpoint, their batches skipped
+                    spike_hooks.roll_back(self)
+                    if self.local_saves is not None:   # states past the rollback: a restart must not meet them
+                        self.local_saves.remove_all()
+                    continue
                 if t.save and (self.step % t.save_interval == 0 or self.step in t.extra_save_steps):
                     self.save_checkpoint(t.save)
                 elif self.local_saves is not None and self.local_saves.due(self.step):
@@ -928,6 +939,7 @@ class Trainer:
             data=self.data_record(), wandb_run_id=self.wandb_run_id,
             metrics_file=metrics_position(getattr(getattr(self, "metrics", None), "jsonl", None)),
             optimizer=optimizer_record(self.cfg),   # what a resume continues (check_resume_optimizer)
+            spikes=self.spikes.state(),   # the samples skipped after loss spikes, the running window
             # no optimizer state: train.save_optimizer=false, or step 0 (Adam has none yet)
             weights_only=not self.cfg.train.save_optimizer or self.step == 0)
 
@@ -1010,6 +1022,7 @@ class Trainer:
     def _adopt(self, client: ClientState, rng: bool = True) -> None:
         """Continue from a checkpoint's (or a local save's) client state."""
         self.step, self.evaluations, self.skipped_steps = client.step, client.evaluations, client.skipped_steps
+        self.spikes.load(client.spikes)
         self.wandb_run_id = client.wandb_run_id
         self.metrics_record = client.metrics_file   # what a resume may trim of train.metrics_file
         if rng and client.rng is not None:

@@ -12,6 +12,9 @@ Each fault is `kind:key=value:...`, faults separated by `;`:
                              Python cleanup, as a crash)
     slow   rank=R seconds=X  rank R sleeps X s in the compute of every step from step `from` (1)
     spike  step=S factor=F   step S's loss multiplied by F on every rank (a poisoned batch)
+    spike  sample=I factor=F the loss of the step whose global batch holds sample I (a dataset
+                             index) multiplied by F on every rank: a poisoned sample, met again
+                             by a resumed run and not after its batch was skipped (training/spikes.py)
 
 `step` is the number a step has in the logs (the first step is 1). `attempt` is the in-job
 restart it fires in (TORCHELASTIC_RESTART_COUNT; default 0: a restarted run does not meet it
@@ -29,9 +32,9 @@ from ..errors import UserError
 
 ENV = "MEGATRON_ID_INJECT_FAULTS"
 KEYS = {"raise": {"step", "rank"}, "hang": {"step", "rank"}, "exit": {"step", "rank", "status"},
-        "slow": {"rank", "seconds", "from"}, "spike": {"step", "factor"}}
+        "slow": {"rank", "seconds", "from"}, "spike": {"step", "sample", "factor"}}
 REQUIRED = {"raise": {"step", "rank"}, "hang": {"step", "rank"}, "exit": {"step", "rank"},
-            "slow": {"rank", "seconds"}, "spike": {"step", "factor"}}
+            "slow": {"rank", "seconds"}, "spike": {"factor"}}
 
 
 class FaultSpecError(UserError):
@@ -89,6 +92,9 @@ def parse_faults(text: str) -> list[Fault]:
                 raise FaultSpecError(f"{ENV}: {key}={value!r} in {part!r} is not a number") from None
             values[key] = number
         missing = REQUIRED[kind] - set(values)
+        if kind == "spike" and len({"step", "sample"} & set(values)) != 1:
+            raise FaultSpecError(f"{ENV}: {part!r} needs step or sample, one of them (e.g. spike:step=5:factor=1000 "
+                                 f"or spike:sample=40:factor=1000)")
         if missing:
             raise FaultSpecError(f"{ENV}: {part!r} needs {', '.join(sorted(missing))} "
                                  f"(e.g. {kind}:" + ":".join(f"{k}=1" for k in sorted(REQUIRED[kind])) + ")")
@@ -133,10 +139,11 @@ class FaultInjector:
             if step >= f.get("from", 1):
                 time.sleep(f.get("seconds"))
 
-    def loss_factor(self, step: int) -> float:
-        """What step `step`'s loss is multiplied by (1: no spike injected)."""
-        factor = 1.0
+    def loss_factor(self, step: int, samples=()) -> float:
+        """What step `step`'s loss is multiplied by (1: no spike injected); samples: the dataset
+        indices of its global batch (for spike:sample=I)."""
+        factor, samples = 1.0, set(samples)
         for f in self.faults:
-            if f.kind == "spike" and f.get("step") == step:
+            if f.kind == "spike" and (f.get("step") == step or f.get("sample", -1) in samples):
                 factor *= f.get("factor")
         return factor

@@ -1,7 +1,8 @@
 """Training metrics: TensorBoard scalars, a JSONL file, Weights & Biases, the rank-0 console line.
 
 Scalars (under train/): loss, perplexity, lr, grad_norm, tokens_per_s, tflops_per_device, mfu,
-memory_gib, skipped_steps (non-finite steps so far), and on logged steps time_<phase> (the step's
+memory_gib, skipped_steps (non-finite steps so far), spikes (loss spikes so far, with
+train.spike_factor > 0: training/spikes.py), and on logged steps time_<phase> (the step's
 time breakdown, train.timing_breakdown); under valid/: loss and perplexity every
 train.eval_interval steps and at the end, and valid/<name>/... for each of data.valid_sets.
 Achieved FLOPs use the same count as `megatron-id params` (training FLOPs per token,
@@ -149,6 +150,13 @@ class Metrics:
                                    for k, v in timing.items() if k != "step")
                 print(f"  time of step {step}: {parts} | step {total:.3f} s", file=sys.stderr, flush=True)
         return values
+
+    def spikes(self, step: int, count: int, line: str | None) -> None:
+        """train.spike_factor > 0: the spikes so far (train/spikes) and, on a spike, its line (the
+        step and its batch's global sample indices, training/spikes.py), on every step."""
+        self._record({"train/spikes": count}, step)
+        if line is not None and self.is_logger:
+            print(line, file=sys.stderr, flush=True)
 
     def validation(self, step: int, loss: float | None, name: str | None = None) -> None:
         """The split's validation loss (name None), or that of data.valid_sets' `name`."""

@@ -126,6 +126,11 @@ class GuardedAdamW(torch.optim.AdamW):
     clipped) it only checks finiteness. `updates` counts applied calls: a step during which it
     did not move was skipped.
 
+    Loss spikes (training/spikes.py): with `loss_limit` set for a step, the mean of the losses
+    observed over every rank (their sum and count ride in the same all-reduce) above it vetoes the
+    update too, and `spiked` says so; `loss_factor` (a fault drill's poison, training/faults.py)
+    multiplies every observed training loss of the step, before backward.
+
     Norm rule (as Megatron's): a TP shard counts on its own rank; a parameter replicated over
     TP counts on TP rank 0 only; every pipeline stage counts its own; data-parallel replicas
     hold the same gradients after the all-reduce, so the world-wide sum is divided by DP; a
@@ -138,21 +143,32 @@ class GuardedAdamW(torch.optim.AdamW):
         self.clip_grad, self.tp_rank, self.data_parallel = clip_grad, tp_rank, data_parallel
         self.updates, self.last_grad_norm = 0, None
         self._nonfinite_losses = None   # on the loss's device: no host sync per micro-batch
+        self._loss_sum = None            # (sum, count) of the step's observed losses, same device
+        self.loss_limit, self.loss_factor, self.spiked = None, 1.0, False
 
     def observe_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Called with each micro-batch loss: a non-finite one vetoes the next update even if
         its gradients came out finite. Evaluation (no grad) is not observed."""
         if not torch.is_grad_enabled():
             return loss
+        if self.loss_factor != 1.0:
+            loss = loss * self.loss_factor
         bad = (~torch.isfinite(loss.detach())).float().sum()
         self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad
+        observed = torch.stack([loss.detach().float().reshape(()), torch.ones((), device=loss.device)])
+        self._loss_sum = observed if self._loss_sum is None else self._loss_sum + observed
         return loss
+
+    def begin_step(self, loss_limit: float | None = None, loss_factor: float = 1.0) -> None:
+        """The trainer calls this before each global batch: the loss above which its update is a
+        spike (None: no check) and the factor on its training losses (1: none injected)."""
+        self.loss_limit, self.loss_factor, self.spiked = loss_limit, loss_factor, False
 
     def end_of_step(self) -> None:
         """The trainer calls this after each global batch: the batch's loss veto applies to every
         step() call of that batch (one per parameter group under ZeRO; none at all when
         DeepSpeed skipped the step for a non-finite gradient norm) and to no later batch."""
-        self._nonfinite_losses = None
+        self._nonfinite_losses, self._loss_sum = None, None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -160,22 +176,24 @@ class GuardedAdamW(torch.optim.AdamW):
         params = [p for group in self.param_groups for p in group["params"]]
         grads = [(p, p.grad) for p in params if p.grad is not None]
         device = params[0].device if params else torch.device("cpu")
-        flag = torch.zeros(1, device=device)   # summed over all ranks below
+        flag = torch.zeros(3, device=device)   # summed over all ranks below; [1:]: the losses' sum, count
         if self.clip_grad is None:   # ZeRO partition: count non-finite entries
             for _, g in grads:
-                flag += (~torch.isfinite(g)).sum()
+                flag[0] += (~torch.isfinite(g)).sum()
         else:                        # squared norm of what this rank counts
             for p, g in grads:
                 if not getattr(p, "ds_pipe_replicated", False) and (
                         getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0):
-                    flag += g.float().pow(2).sum()
+                    flag[0] += g.float().pow(2).sum()
         if self._nonfinite_losses is not None:
             bad_loss = self._nonfinite_losses.to(device) > 0
-            flag += torch.where(bad_loss, math.inf, 0.0)   # kept for the batch's other groups:
+            flag[0] += torch.where(bad_loss, math.inf, 0.0)   # kept for the batch's other groups:
             # DeepSpeed's ZeRO calls step() once per parameter group; end_of_step() clears it
+        if self.loss_limit is not None and self._loss_sum is not None:
+            flag[1:] += self._loss_sum.to(device)
         if dist.is_initialized():
             dist.all_reduce(flag)   # a NaN or inf anywhere makes the sum non-finite everywhere
-        total = flag.item()
+        total, loss_sum, count = flag.tolist()
         if self.clip_grad is None:
             finite = total == 0
         else:
@@ -185,7 +203,8 @@ class GuardedAdamW(torch.optim.AdamW):
             if finite and self.clip_grad > 0 and norm > self.clip_grad:
                 for _, g in grads:
                     g.mul_(self.clip_grad / (norm + 1e-6))
-        if not finite:
+        self.spiked = finite and self.loss_limit is not None and count > 0 and loss_sum / count > self.loss_limit
+        if not finite or self.spiked:
             return None
         self.updates += 1
         return super().step(closure)
