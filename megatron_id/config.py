@@ -269,6 +269,17 @@ class TrainConfig:
     # only skipped]
     spike_rollback_after: int = 3
     spike_rollback_window: int = 100   # steps within which train.spike_rollback_after spikes roll back
+    # slow ranks (training/stragglers.py): every this many steps the ranks gather their time per step
+    # split into compute, data wait and communication, and rank 0 names each rank whose compute +
+    # data wait is train.straggler_factor x the other ranks' median or more (log, TensorBoard, JSONL,
+    # wandb); 0: off. [our choice: 100: a window long enough that one slow step (a checkpoint, a
+    # hiccup) does not name a rank, short enough to see a slow node within minutes; its cost is a
+    # few clock reads per step and one all-gather of 4 numbers per window]
+    straggler_interval: int = 100
+    # how much slower than the other ranks' median a rank must be to be named [our choice: 1.5: far
+    # above the few percent ranks of one job differ by, and a rank at 1.5x already costs the job a
+    # third of its speed]
+    straggler_factor: float = 1.5
     # every collective's timeout: a hung rank ends the job after this long instead of stalling
     # it. 10 as Megatron's --distributed-timeout-minutes. The data index is not under it: rank 0
     # builds it while the others wait on its files, as long as rank 0 shows signs of life
@@ -805,6 +816,10 @@ def _check_ranges(cfg: Config) -> None:
          "must be >= 0 (0: never roll back)"),
         ("train.spike_rollback_window", t.spike_rollback_window, t.spike_rollback_window >= 1,
          "must be at least 1 (steps)"),
+        ("train.straggler_interval", t.straggler_interval, t.straggler_interval >= 0,
+         "must be >= 0 (steps between the slow-rank reports; 0: off)"),
+        ("train.straggler_factor", t.straggler_factor, t.straggler_factor > 1 and math.isfinite(t.straggler_factor),
+         "must be a number above 1 (how many times the other ranks' median time names a rank, e.g. 1.5)"),
         ("train.profile.start_step", t.profile.start_step, t.profile.start_step >= 1,
          "must be at least 1 (the first step)"),
         ("train.profile.steps", t.profile.steps, t.profile.steps >= 1, "must be at least 1"),

@@ -108,6 +108,7 @@ from .plan import run_estimate_gib
 from .profiling import ProfileWindow, StepTimer
 from .resilience import LocalSaves, check_resilience, restart_line
 from .spikes import SpikeMonitor
+from .stragglers import Stragglers
 
 
 def check_export_at_end(cfg: Config) -> None:
@@ -807,12 +808,14 @@ class Trainer:
             t = self.cfg.train
             if t.save and self.step == 0 and 0 in t.extra_save_steps and not (Path(t.save) / tag_for(0)).is_dir():
                 self.save_checkpoint(t.save)   # the starting weights (train.extra_save_steps: [0])
+            stragglers = Stragglers(self, metrics)   # slow ranks named (train.straggler_interval)
             while self.step < end and not self._stop_agreed():
                 heartbeat.beat(self.step)
                 self.faults.before_step(self.step + 1)
                 profile.before_step(self.step + 1)
                 self.time_next_step = metrics.logs(self.step + 1)
-                losses.append(self.train_step())
+                with stragglers.step(self.step + 1):
+                    losses.append(self.train_step())
                 profile.after_step(self.step)
                 self._count_nonfinite()
                 roll_back = spike_hooks.observe(self, losses[-1], metrics)

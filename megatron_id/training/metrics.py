@@ -4,7 +4,8 @@ Scalars (under train/): loss, perplexity, lr, grad_norm, tokens_per_s, tflops_pe
 memory_gib, skipped_steps (non-finite steps so far), spikes (loss spikes so far, with
 train.spike_factor > 0: training/spikes.py), and on logged steps time_<phase> (the step's
 time breakdown, train.timing_breakdown); under valid/: loss and perplexity every
-train.eval_interval steps and at the end, and valid/<name>/... for each of data.valid_sets.
+train.eval_interval steps and at the end, and valid/<name>/... for each of data.valid_sets;
+under ranks/ the slow-rank report every train.straggler_interval steps (training/stragglers.py).
 Achieved FLOPs use the same count as `megatron-id params` (training FLOPs per token,
 model/accounting.py) and MFU is against train.peak_tflops per device.
 
@@ -175,6 +176,18 @@ class Metrics:
                 self.writer.add_scalar(name, value, step)
             self.writer.flush()
         self.pending.update(scalars)
+
+    def scalars(self, values: dict, step: int) -> None:
+        """Scalars from another part of the loop (the ranks/ report), recorded with the step's own."""
+        self._record(values, step)
+
+    def text(self, name: str, value: str, step: int) -> None:
+        """Text beside the step's scalars, under `name`: TensorBoard's text tab, the JSONL line and
+        the wandb row (the slow ranks named, training/stragglers.py)."""
+        if self.writer is not None:
+            self.writer.add_text(name, value, step)
+            self.writer.flush()
+        self.pending[name] = value
 
     def end_step(self, step: int) -> None:
         """After a step's scalars (and its validations): one JSONL line and one wandb row."""

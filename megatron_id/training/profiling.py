@@ -12,7 +12,9 @@ StepTimer: wall time of a step's phases (data wait, forward, backward with the g
 reduction DeepSpeed runs at the accumulation boundary, optimizer; under pipelining the 1F1B
 schedule as one phase), measured on the steps that print a log line. On CUDA it synchronises
 the device around each phase on those steps only (kernels are asynchronous: without it a phase
-would show the time to launch its kernels, not to run them).
+would show the time to launch its kernels, not to run them). With `every_step` set (the slow-rank
+report, training/stragglers.py, reads the data phase of every step) the phases are also timed
+on the other steps, by the host clock alone: no synchronisation there.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class StepTimer:
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
         self.enabled, self.phases, self.started = False, {}, 0.0
+        self.every_step = False   # host times of the phases on every step too (no device synchronisation)
 
     def _sync(self):
         if self.cuda:
@@ -41,15 +44,17 @@ class StepTimer:
 
     @contextmanager
     def phase(self, name: str):
-        if not self.enabled:
+        if not self.enabled and not self.every_step:
             yield
             return
-        self._sync()
+        if self.enabled:
+            self._sync()
         began = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
+            if self.enabled:
+                self._sync()
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - began
 
     def result(self) -> dict | None:
