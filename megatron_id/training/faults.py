@@ -115,7 +115,8 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """As step `step` begins (the number it will have in the logs)."""
         for f in self._mine("raise", step):
-            raise RuntimeError(f"injected fault ({ENV}): rank {self.rank} raises at step {step}, attempt {self.attempt}")
+            raise RuntimeError(f"injected fault ({ENV}): rank {self.rank} raises at step {step}, "
+                               f"attempt {self.attempt}")
         for f in self._mine("exit", step):
             print(f"injected fault ({ENV}): rank {self.rank} exits at step {step}, attempt {self.attempt}",
                   file=sys.stderr, flush=True)

@@ -161,6 +161,10 @@ class Metrics:
             print(f"{what} at step {step} | loss {loss:.4f} | ppl {perplexity(loss):.1f}",
                   file=sys.stderr, flush=True)
 
+    def scalars(self, step: int, scalars: dict) -> None:
+        """More scalars of this step (train.eval_tasks' eval/<task>/<metric>) for every sink."""
+        self._record(scalars, step)
+
     def _record(self, scalars: dict, step: int) -> None:
         if self.writer is not None:
             for name, value in scalars.items():
