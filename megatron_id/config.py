@@ -222,6 +222,13 @@ class TrainConfig:
     log_interval: int = 10            # steps between console lines (a run's first and last step print one too)
     eval_interval: int = 1000         # steps between validations
     eval_iters: int = 10              # global batches per validation (0: none)
+    # downstream evaluations of the model in training at every validation, logged as
+    # eval/<task>/<metric> (training/downstream.py, docs/training-loop.md): each entry a
+    # `megatron-id eval` command without --checkpoint ('recall --task passkey --samples 8',
+    # 'length --text val.jsonl --max-tokens 4096', 'mqar --samples 256'), or 'lm-eval --include-path
+    # DIR --tasks NAME ...' (lm-evaluation-harness, local YAML); the same numbers as that command
+    # on the checkpoint saved at that step. Empty: none (GPT-NeoX's eval_tasks)
+    eval_tasks: list[str] = field(default_factory=list)
     save_interval: int = 1000         # steps between checkpoints (and one at the end)
     save: Optional[str] = None        # checkpoint folder
     load: Optional[str] = None        # checkpoint folder to resume from

@@ -312,15 +312,20 @@ def run_mqar(source, args) -> dict:
         raise EvalError(f"{folder} was not trained with data.source=mqar (its data: "
                         f"{data.get('data_path') or 'not recorded'}): `eval mqar` scores the generated task; "
                         f"for a model of text use `eval recall --task mqar`.")
+    model = LanguageModel(cfg, seed=None)
+    model.load_state_dict(weights, strict=True)
+    return score_mqar(model.eval().to(args.device), cfg, data, args)
+
+
+def score_mqar(model, cfg, data: dict, args) -> dict:
+    """run_mqar's scores of a loaded model (eval mode, on args.device), given the data settings
+    its checkpoint records (Trainer.data_record): also train.eval_tasks' `mqar` in the loop."""
     settings = {**data["mqar"], **{k: getattr(args, k) for k in ("num_pairs", "num_queries", "num_keys", "num_values")
                                    if getattr(args, k) is not None}}
     seq_length = args.seq_length or cfg.seq_length
     window = seq_length // data.get("carry_grad_windows", 1) if settings.get("query_window") else 0
     task = MQARTask(seq_length, **settings, window=window)
     task.check(cfg.vocab_size)
-    model = LanguageModel(cfg, seed=None)
-    model.load_state_dict(weights, strict=True)
-    model.eval().to(args.device)
     seed = data["seed"] if args.seed is None else args.seed
     result = score(model, task, seed, args.samples, args.batch_size, args.device,
                    carry=bool(data.get("carry_state")))   # episodes read as the model was trained
@@ -437,17 +442,23 @@ def evaluate(args) -> list[dict]:
             continue
         trained = load_trained(source, args.tokenizer, args.allow_tokenizer_mismatch)
         trained.model.to(args.device)
-        bytes_of = np.asarray(token_bytes(trained.tokenizer), dtype=np.int64)
-        if args.evaluation == "perplexity":
-            result = run_perplexity(trained, args, bytes_of)
-        elif args.evaluation == "length":
-            result = run_length(trained, args, bytes_of)
-        else:
-            result = run_recall(trained, args)
         mixer = getattr(trained.cfg.mixer, "value", trained.cfg.mixer)
-        results.append({"name": name, "checkpoint": str(source), "mixer": str(mixer), **result})
+        results.append({"name": name, "checkpoint": str(source), "mixer": str(mixer),
+                        **evaluate_trained(trained, args)})
         print(f"eval {args.evaluation}: {name} done", file=sys.stderr)
     return results
+
+
+def evaluate_trained(trained, args) -> dict:
+    """One evaluation (perplexity, length or recall) of a loaded model (trained.model on
+    args.device, eval mode): what `evaluate` reports per checkpoint, and what train.eval_tasks
+    reports of the model in training (training/downstream.py), by the same code."""
+    bytes_of = np.asarray(token_bytes(trained.tokenizer), dtype=np.int64)
+    if args.evaluation == "perplexity":
+        return run_perplexity(trained, args, bytes_of)
+    if args.evaluation == "length":
+        return run_length(trained, args, bytes_of)
+    return run_recall(trained, args)
 
 
 def options(args) -> dict:

@@ -482,6 +482,56 @@ def _positive(option: str, value: int, meaning: str) -> None:
 TOKENIZER_ID_KEY = "megatron_id_tokenizer_id"
 
 
+def export_config(cfg, ids: dict, tokenizer_id, prefill_chunk_size: int, step: int, layout) -> dict:
+    """config.json of an export (also the in-process model of train.eval_tasks' lm-eval entries)."""
+    return {
+        "model_type": "megatron_id", "architectures": ["MegatronIDForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_megatron_id.MegatronIDConfig",
+                     "AutoModelForCausalLM": "modeling_megatron_id.MegatronIDForCausalLM"},
+        "model": model_config_dict(cfg), "prefill_chunk_size": prefill_chunk_size,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "tie_word_embeddings": cfg.tie_embeddings,
+        # grouped-query attention (model.n_kv_heads, softmax layers), under transformers' name:
+        # read by tools that size a KV cache from config.json (the model reads `model`)
+        "num_key_value_heads": kv_heads(cfg),
+        "eos_token_id": ids["eos_token_id"], "pad_token_id": ids["eos_token_id"],
+        "bos_token_id": ids["eos_token_id"], "torch_dtype": "float32", "use_cache": True,
+        "megatron_id": {"step": step, "saved_layout": layout},
+        TOKENIZER_ID_KEY: tokenizer_id,
+    }
+
+
+def tokenizer_config(cfg, ids: dict, tokenizer: Path) -> dict:
+    """tokenizer_config.json of an export (also the in-process tokenizer of train.eval_tasks' lm-eval)."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": ids["eos_token"],
+            "bos_token": ids["eos_token"], "pad_token": ids["eos_token"], "unk_token": ids["eos_token"],
+            # the training context: lm-evaluation-harness sizes its windows and its --batch_size
+            # auto probe by it (the model itself has no length limit; longer inputs work)
+            "model_max_length": cfg.seq_length,
+            # left padding runs each row as if alone (the model's forward); right padding
+            # scores correctly too but leaves no cache to generate from
+            "padding_side": "left",
+            # the tokenizer's chat template, if it has one (an imported Llama / Qwen): what
+            # `serve`'s /v1/chat/completions and transformers' apply_chat_template render
+            **({"chat_template": template} if (template := chat_template_of(tokenizer)) else {})}
+
+
+def write_model_files(staging: Path, cfg, ids: dict, tokenizer: Path, tokenizer_id, prefill_chunk_size: int,
+                      step, layout) -> None:
+    """Every file of an export but its weights and manifest: the code, config.json, the tokenizer
+    (also the in-process model of train.eval_tasks' lm-eval entries, evaluation/lm_eval_model.py)."""
+    for name in CODE_FILES:
+        shutil.copy(HERE / name, staging / name)
+    (staging / "megatron_id_model.py").write_text(bundle_source())
+    config = export_config(cfg, ids, tokenizer_id, prefill_chunk_size, step, layout)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (staging / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": ids["eos_token_id"], "pad_token_id": ids["eos_token_id"],
+         "bos_token_id": ids["eos_token_id"], "do_sample": False}, indent=2) + "\n")
+    shutil.copy(tokenizer, staging / "tokenizer.json")
+    (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg, ids, tokenizer), indent=2) + "\n")
+
+
 def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048, overwrite: bool = False,
               allow_tokenizer_mismatch: bool = False) -> Path:
     """Write the Hugging Face folder `output` (see the module doc for when an existing one is
@@ -515,42 +565,8 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
         # safetensors creates its file owner-only (0600); give it the mode of the other files
         # (the umask's, as the staging folder has), or a shared export is unreadable to the group
         os.chmod(staging / "model.safetensors", staging.stat().st_mode & 0o666)
-        for name in CODE_FILES:
-            shutil.copy(HERE / name, staging / name)
-        (staging / "megatron_id_model.py").write_text(bundle_source())
-        config = {
-            "model_type": "megatron_id", "architectures": ["MegatronIDForCausalLM"],
-            "auto_map": {"AutoConfig": "configuration_megatron_id.MegatronIDConfig",
-                         "AutoModelForCausalLM": "modeling_megatron_id.MegatronIDForCausalLM"},
-            "model": model_config_dict(cfg), "prefill_chunk_size": prefill_chunk_size,
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "tie_word_embeddings": cfg.tie_embeddings,
-            # grouped-query attention (model.n_kv_heads, softmax layers), under transformers' name:
-            # read by tools that size a KV cache from config.json (the model reads `model`)
-            "num_key_value_heads": kv_heads(cfg),
-            "eos_token_id": ids["eos_token_id"], "pad_token_id": ids["eos_token_id"],
-            "bos_token_id": ids["eos_token_id"], "torch_dtype": "float32", "use_cache": True,
-            "megatron_id": {"step": client.step, "saved_layout": client.layout},
-            TOKENIZER_ID_KEY: tokenizer_id,
-        }
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (staging / "generation_config.json").write_text(json.dumps(
-            {"eos_token_id": ids["eos_token_id"], "pad_token_id": ids["eos_token_id"],
-             "bos_token_id": ids["eos_token_id"], "do_sample": False}, indent=2) + "\n")
-        shutil.copy(tokenizer, staging / "tokenizer.json")
-        (staging / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": ids["eos_token"],
-             "bos_token": ids["eos_token"], "pad_token": ids["eos_token"], "unk_token": ids["eos_token"],
-             # the training context: lm-evaluation-harness sizes its windows and its --batch_size
-             # auto probe by it (the model itself has no length limit; longer inputs work)
-             "model_max_length": cfg.seq_length,
-             # left padding runs each row as if alone (the model's forward); right padding
-             # scores correctly too but leaves no cache to generate from
-             "padding_side": "left",
-             # the tokenizer's chat template, if it has one (an imported Llama / Qwen): what
-             # `serve`'s /v1/chat/completions and transformers' apply_chat_template render
-             **({"chat_template": template} if (template := chat_template_of(tokenizer)) else {})},
-            indent=2) + "\n")
+        write_model_files(staging, cfg, ids, tokenizer, tokenizer_id, prefill_chunk_size, client.step,
+                          client.layout)
         # last: the size and sha256 of every file (and of each 4 MiB chunk, for sampled checks),
         # verified by generate, serve, eval and import-hf before they use the weights
         write_manifest(staging, manifest_entries(staging, checkpoint_files(staging), chunk_bytes=CHUNK_BYTES))

@@ -92,6 +92,7 @@ from .distributed import (
     uses_cuda,
 )
 from .documents import DocumentOptions, document_index
+from .downstream import DownstreamEvals
 from .faults import FaultInjector
 from .layout import deepspeed_config, training_layout
 from .loss import LanguageModelLoss
@@ -500,6 +501,7 @@ class Trainer:
         self.timer = StepTimer(self.device)
         self.wandb_run_id = None   # continued from the checkpoint resumed (training/metrics.py)
         self.train_data = self._datasets()
+        self.downstream = DownstreamEvals(cfg, self.layout)   # train.eval_tasks (training/downstream.py)
         self.step, self.evaluations = 0, 0
         self.skipped_steps, self.nonfinite_in_a_row, self.last_skipped = 0, 0, False
         self.spikes = SpikeMonitor(cfg.train, self.layout.global_batch_size, len(self.train_data))   # loss spikes
@@ -824,6 +826,7 @@ class Trainer:
                 if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
                     for name, loss in self.evaluate_all().items():
                         metrics.validation(self.step, loss, name)
+                    self.downstream.run(self, metrics)   # train.eval_tasks, beside the validation
                 metrics.end_step(self.step)
                 if roll_back:   # M spikes: the latest checkpoint, their batches skipped
                     spike_hooks.roll_back(self)

@@ -32,6 +32,7 @@ from ..parallel.layout import check_layout
 from .carry import check_carry_layout
 from .compilation import check_compile_config
 from .distill import check_distill_layout
+from .downstream import check_eval_tasks
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ def training_layout(cfg: Config, world_size: int) -> Layout:
                     t.global_batch_size, tokens_per_step, iters, cp)
     check_distill_layout(cfg, layout)   # what a teacher beside the student cannot run with
     check_carry_layout(cfg, layout)     # what data.carry_state cannot run with
+    check_eval_tasks(cfg, layout)       # train.eval_tasks: known tasks and options, PP=1
     return layout
 
 

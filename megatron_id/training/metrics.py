@@ -178,7 +178,8 @@ class Metrics:
         self.pending.update(scalars)
 
     def scalars(self, values: dict, step: int) -> None:
-        """Scalars from another part of the loop (the ranks/ report), recorded with the step's own."""
+        """Scalars from another part of the loop (the ranks/ report, train.eval_tasks'
+        eval/<task>/<metric>), recorded with the step's own in every sink."""
         self._record(values, step)
 
     def text(self, name: str, value: str, step: int) -> None:
