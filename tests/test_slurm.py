@@ -2,7 +2,8 @@
 and 2 emulated nodes on this machine), 2 nodes x 2 tasks on CPU (MEGATRON_ID_DEVICE=cpu):
 
 - TP=2 x DP=2 and TP=2 x PP=2 jobs complete, write their checkpoint, and their losses equal the
-  same runs under torchrun on one node;
+  same runs under torchrun on one node; the TP=2 x PP=2 job runs with in-job restarts
+  (train.max_restarts) and a rank killed mid-run is restarted inside the allocation;
 - a job sent SIGUSR1 mid-run saves, requeues itself, resumes and finishes: its losses and final
   weights equal the uninterrupted job's;
 - a rank killed with SIGKILL ends the whole job within 60 s, and the job is not requeued;
@@ -135,16 +136,43 @@ def test_tp2_dp2_job_completes_and_matches_torchrun(uninterrupted, fineweb_prefi
     assert_relative_close(losses(run / "tb"), reference)
 
 
-def test_tp2_pp2_job_completes_and_matches_torchrun(cluster, fineweb_prefix, tmp_path):
+def test_tp2_pp2_job_restarts_a_killed_rank_in_its_allocation_and_matches_torchrun(cluster, fineweb_prefix, tmp_path):
+    """train.max_restarts (issue 53): one task per node runs its ranks under torch's elastic agent;
+    rank 3 (second node) is killed with SIGKILL mid-run, every rank restarts in the same
+    allocation from the newest local save, no requeue, and the losses equal an uninterrupted
+    torchrun run's."""
     run = tmp_path / "tp2pp2"
-    job = submit(cluster, run, ["--config", TINY, *items(fineweb_prefix, 2, 2, run / "tb")])
+    restarts = ["train.max_restarts=1", f"train.local_save={tmp_path / 'local'}", "train.local_save_interval=2"]
+    job = submit(cluster, run, ["--config", TINY, *items(fineweb_prefix, 2, 2, run / "tb", *restarts)])
+    wait_for_text(cluster, run, job, "step 5/")
+    pid = _elastic_rank_pid(job, 3)
+    assert pid is not None, job_log(run, job)[-3000:]
+    os.kill(pid, signal.SIGKILL)
     info = cluster.wait(job, timeout=240)
     log = job_log(run, job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-3000:]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", log[-4000:]
     assert "TP=2 PP=2 DP=1" in log and f"finished: step {STEPS} of {STEPS}" in log
+    assert "in-job restart 1 of at most 1 (train.max_restarts)" in log, log[-4000:]
+    resumed = int(log.split("resumed from the local saves of step ")[1].split()[0])
+    assert resumed >= 4, log[-4000:]
     assert (run / "checkpoints" / "latest").read_text() == f"iter_{STEPS:07d}"
     torchrun(["--config", TINY, *items(fineweb_prefix, 2, 2, tmp_path / "tb")], tmp_path / "torchrun.log")
-    assert_relative_close(losses(run / "tb"), losses(tmp_path / "tb"))
+    assert_relative_close(losses(run / "tb"), losses(tmp_path / "tb"), tol=0.0)
+
+
+def _elastic_rank_pid(job: str, rank: int) -> int | None:
+    """The pid of the training process of global rank `rank` under the elastic agents of job `job`."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if (env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"RANK") == str(rank).encode()
+                and b"TORCHELASTIC_RUN_ID" in env):
+            return int(proc.name)
+    return None
 
 
 def test_usr1_checkpoints_requeues_and_resumes_exactly(uninterrupted, cluster, fineweb_prefix, tmp_path):

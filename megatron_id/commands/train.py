@@ -11,6 +11,7 @@ import warnings
 
 from ..allocator import keep_freed_memory
 from ..config import ConfigError, load_config
+from ..errors import UserError
 from ..training.launcher import (
     check_devices,
     check_host,
@@ -33,6 +34,14 @@ def add_parser(sub) -> None:
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="start N ranks on this machine (one per GPU; CPU processes on CPU) with one-line errors "
                         "and the ranks' exit status; leave out under torchrun / srun")
+    t.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="with --nproc and train.max_restarts > 0: this is one of N nodes, each running this "
+                        "command (one srun task per node: launch/slurm/train.sbatch), joined by torch's c10d "
+                        "rendezvous at --rdzv-endpoint")
+    t.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="with --nnodes > 1: the rendezvous of the nodes' agents (the first node)")
+    t.add_argument("--rdzv-id", default=None, metavar="ID", help="with --nnodes > 1: the run's rendezvous id "
+                                                                 "(the same on every node, e.g. the job id)")
     t.set_defaults(func=run)
 
 
@@ -64,6 +73,16 @@ def _choose_accelerator() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
 
 
+def check_nodes(args) -> None:
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes {args.nnodes}: give the number of nodes of the run, at least 1.")
+    if args.nnodes > 1 and (args.nproc is None or not args.rdzv_endpoint or not args.rdzv_id):
+        raise UserError(f"--nnodes {args.nnodes}: also give --nproc (ranks per node), --rdzv-endpoint HOST:PORT (the "
+                        f"first node) and --rdzv-id (the same on every node), as launch/slurm/train.sbatch does.")
+    if args.nnodes == 1 and (args.rdzv_endpoint or args.rdzv_id):
+        raise UserError("--rdzv-endpoint / --rdzv-id: only with --nnodes > 1 (one node finds its ranks by itself).")
+
+
 def run(args) -> int:
     # SIGTERM / SIGUSR1 during the minutes of imports and setup must not kill the rank (their
     # default action): note them, and the trainer stops at its first step boundary
@@ -73,7 +92,8 @@ def run(args) -> int:
     keep_freed_memory()   # glibc keeps freed blocks: ~1.5x on CPU steps (allocator.py)
     refuse_empty_overrides(args.overrides)
     if args.nproc is not None:
-        check_nproc(args.nproc)
+        check_nproc(args.nproc, nnodes=args.nnodes)
+    check_nodes(args)
     # DeepSpeed calls a torch.distributed function that torch has deprecated: not the user's concern
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
     if args.nproc is not None:   # start the ranks of this machine (training/launcher.py)
@@ -86,7 +106,7 @@ def run(args) -> int:
                 _choose_accelerator()
                 from ..training.layout import training_layout  # torch: not at import (cli.py)
                 check_devices(args.nproc)
-                layout = training_layout(cfg, args.nproc)   # as is a layout the ranks cannot hold
+                layout = training_layout(cfg, args.nproc * args.nnodes)   # as is a layout the ranks cannot hold
                 check_host(cfg, layout, args.nproc)   # and, on CPU, more memory than the host has
                 from ..training.faults import ENV, parse_faults
                 from ..training.resilience import check_resilience
@@ -97,9 +117,10 @@ def run(args) -> int:
             raise
         debug = "--debug" in sys.argv[1:]
         train_args = [*(a for c in args.config for a in ("--config", c)), *args.overrides]
-        if cfg.train.max_restarts > 0:   # under torch.distributed.elastic's agent (training/resilience.py)
+        if cfg.train.max_restarts > 0 or args.nnodes > 1:   # torch.distributed.elastic's agent (training/resilience.py)
             return launch_elastic(args.nproc, train_args, cfg.train.max_restarts, debug, early=early_stop,
-                                  finished=lambda: run_finished(cfg.train.save, layout.train_iters))
+                                  finished=lambda: run_finished(cfg.train.save, layout.train_iters),
+                                  nnodes=args.nnodes, endpoint=args.rdzv_endpoint, run_id=args.rdzv_id)
         return launch(args.nproc, train_args, debug, early=early_stop)
     cfg = load_config(args.config, args.overrides)   # config errors first, before heavy imports
     _choose_accelerator()

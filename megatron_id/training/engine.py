@@ -107,7 +107,7 @@ from .optim import (
 )
 from .plan import run_estimate_gib
 from .profiling import ProfileWindow, StepTimer
-from .resilience import LocalSaves, check_resilience, restart_line
+from .resilience import LocalSaves, agreed_attempt, check_resilience, restart_line
 from .spikes import SpikeMonitor
 from .stragglers import Stragglers
 
@@ -800,7 +800,7 @@ class Trainer:
         self.metrics = metrics   # its file's position goes into each checkpoint
         self.wandb_run_id = metrics.wandb_run_id or self.wandb_run_id   # kept in the checkpoints
         metrics.header(self.cfg, start_step)
-        restarted = restart_line(self.cfg)
+        restarted = restart_line(self.cfg, agreed_attempt(self.device))
         if restarted and dist.get_rank() == 0:
             print(restarted, file=sys.stderr, flush=True)
         profile = ProfileWindow(self.cfg, dist.get_rank(), self.device)

@@ -103,7 +103,8 @@ def prepare(run_dir: Path, config_files: list[str], overrides: list[str], *, wor
             "tensor": layout.tensor, "pipe": layout.pipe, "data": layout.data,
             "micro_batch": layout.micro_batch_size, "accumulation": layout.gradient_accumulation,
             "memory_gib": f"{memory_gib:.1f}",
-            "step": step, "train_iters": layout.train_iters, "mixer": cfg.model.mixer.value,
+            "step": step, "train_iters": layout.train_iters, "max_restarts": cfg.train.max_restarts,
+            "mixer": cfg.model.mixer.value,
             "model": f"d_model={cfg.model.d_model} n_layers={cfg.model.n_layers}"}
 
 

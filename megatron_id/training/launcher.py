@@ -41,7 +41,7 @@ class LaunchError(UserError):
     pass
 
 
-def check_nproc(nproc: int, env=None) -> None:
+def check_nproc(nproc: int, env=None, nnodes: int = 1) -> None:
     env = os.environ if env is None else env
     if nproc < 1:
         raise LaunchError(f"--nproc {nproc}: give the number of processes to start on this machine, at least 1 "
@@ -51,7 +51,7 @@ def check_nproc(nproc: int, env=None) -> None:
         raise LaunchError(f"--nproc {nproc}: this process is already one rank started by {by}: drop --nproc "
                           f"(it starts the ranks itself), or run `megatron-id train --nproc {nproc} ...` alone.")
     tasks = env.get("SLURM_STEP_NUM_TASKS", "")
-    if tasks.isdigit() and int(tasks) > 1:
+    if tasks.isdigit() and int(tasks) > 1 and int(tasks) != nnodes:   # (--nnodes: one task per node)
         raise LaunchError(f"--nproc {nproc}: srun started {tasks} tasks, and each would start {nproc} ranks: drop "
                           f"--nproc under srun (one task per GPU: launch/slurm/train.sbatch), or run one task.")
 
@@ -175,30 +175,38 @@ def launch(nproc: int, train_args: list[str], debug: bool = False, early=()) -> 
 
 
 def launch_elastic(nproc: int, train_args: list[str], max_restarts: int, debug: bool = False, early=(),
-                   finished=None) -> int:
+                   finished=None, nnodes: int = 1, endpoint: str | None = None, run_id: str | None = None) -> int:
     """launch() with in-job restarts (train.max_restarts > 0): the ranks run under
     torch.distributed.elastic's agent (torchrun's), which restarts all of them when one fails,
     up to `max_restarts` times (training/resilience.py). Exit statuses as launch(): a rank stopped
     by SIGTERM / SIGUSR1 after saving exits 0 here (any other status would be restarted), so a stop
     is told from a finish by `finished()` (the run reached its last step); then 3.
-    `finished`: a function saying whether the run is complete (reads train.save's `latest`)."""
+    `finished`: a function saying whether the run is complete (reads train.save's `latest`).
+    nnodes > 1: this is one node's agent of a multi-node run (one per node, as torchrun), meeting
+    the others at `endpoint` under `run_id` (torch's c10d rendezvous)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     from ..allocator import ALLOCATOR_ENV
-    check_nproc(nproc)
+    check_nproc(nproc, nnodes=nnodes)
     if early:
         return launch(nproc, train_args, debug, early)   # (says so; nothing started)
     if not any(k in os.environ for k in ALLOCATOR_ENV):
         os.environ.update(ALLOCATOR_ENV)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(PYTHONUNBUFFERED="1", MEGATRON_ID_STOPPED_EXIT_STATUS="0")
+    # each rendezvous round's ranks get a store of their own (rank 0 hosts it on a fresh port), as
+    # torch's opt-out gives: on the agents' shared store (torch 2.13's default) a restarted round
+    # read the previous round's gloo addresses, and across nodes the agents' restart counts differ
+    # (a node restarted for a peer's failure counts no restart), so no per-attempt prefix is safe
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if debug:
         os.environ["MEGATRON_ID_DEBUG"] = "1"
     _quiet_elastic_logs()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"megatron-id-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
+    config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+                          run_id=run_id or f"megatron-id-{os.getpid()}", rdzv_backend="c10d",
+                          rdzv_endpoint=endpoint or f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
                           monitor_interval=0.5, signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     try:
         launch_agent(config, sys.executable, ["-m", "megatron_id.cli", "train", *train_args])

@@ -184,9 +184,18 @@ class LocalSaves:
             setattr(engine, key, value)
 
 
-def restart_line(cfg: Config) -> str | None:
+def agreed_attempt(device) -> int:
+    """The in-job restart this attempt is (collective): the largest of the agents' restart counts.
+    An agent counts the restarts of its own node's failures only (a node restarted because a peer
+    failed counts none), and each agent's budget is train.max_restarts, so the largest is the
+    count that meets the budget first."""
+    count = torch.tensor([float(restart_attempt())], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def restart_line(cfg: Config, attempt: int) -> str | None:
     """Rank 0's first line in a restarted attempt; None in the first."""
-    attempt = restart_attempt()
     if attempt == 0:
         return None
     return (f"in-job restart {attempt} of at most {cfg.train.max_restarts} (train.max_restarts): every rank "
