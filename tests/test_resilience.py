@@ -125,6 +125,8 @@ def test_a_killed_a_raising_and_a_hung_rank_restart_in_the_job_and_losses_equal_
     assert killed - resumed[0] <= 2, shown
     # losses equal the uninterrupted run's, bit for bit, with one metrics line per step
     assert _losses(run / "metrics.jsonl") == expected, shown
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(row.get("train/restarts", 0) for row in rows) == 3   # the count, beside the step's scalars
     assert (run / "checkpoints" / "latest").read_text() == f"iter_{STEPS:07d}"
     assert not any((tmp_path / "local").iterdir()), "a finished run's local saves are removed"
 

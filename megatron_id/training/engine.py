@@ -800,9 +800,11 @@ class Trainer:
         self.metrics = metrics   # its file's position goes into each checkpoint
         self.wandb_run_id = metrics.wandb_run_id or self.wandb_run_id   # kept in the checkpoints
         metrics.header(self.cfg, start_step)
-        restarted = restart_line(self.cfg, agreed_attempt(self.device))
-        if restarted and dist.get_rank() == 0:
-            print(restarted, file=sys.stderr, flush=True)
+        attempt = agreed_attempt(self.device)   # in-job restarts so far (training/resilience.py)
+        if attempt:
+            metrics.scalars({"train/restarts": attempt}, self.step + 1)   # (with the next step's scalars)
+            if dist.get_rank() == 0:
+                print(restart_line(self.cfg, attempt), file=sys.stderr, flush=True)
         profile = ProfileWindow(self.cfg, dist.get_rank(), self.device)
         heartbeat = Heartbeat()
         try:
