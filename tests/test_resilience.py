@@ -175,3 +175,54 @@ def test_restart_and_local_save_settings_are_refused_before_any_rank_starts(tmp_
     refused([*train, f"train.save={tmp_path}/ck", "train.max_restarts=1"], unchanged=[tmp_path],
             env={"MEGATRON_ID_INJECT_FAULTS": "crash:step=1"},
             mention=r"MEGATRON_ID_INJECT_FAULTS: unknown fault 'crash'")
+
+
+def _steps_then_resume_locally(rank, world, items, local, stop_at):
+    """Train to `stop_at` with local saves every 2 steps, drop the trainer (a failed attempt),
+    then build a new one on the same config: it resumes from the local saves and trains on."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_id.config import load_config
+    from megatron_id.training.engine import Trainer
+    cfg = load_config([TINY], [*items, f"train.local_save={local}", "train.local_save_interval=2"])
+    first = Trainer(cfg)
+    before = first.train(max_steps=stop_at)
+    first.close()
+    if rank == 0:   # a failure before any durable save: its end-of-train save never happened
+        shutil.rmtree(cfg.train.save)
+    dist.barrier()
+    second = Trainer(cfg)
+    resumed_at = second.step
+    after = second.train()
+    second.close()
+    return before, resumed_at, after
+
+
+def _uninterrupted(rank, world, items):
+    from megatron_id.config import load_config
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([TINY], items))
+    losses = trainer.train()
+    trainer.close()
+    return losses
+
+
+def test_a_local_save_resumes_bit_for_bit_at_zero_0(fineweb_prefix, tmp_path):
+    """Each rank's module, optimizer (the guard itself at ZeRO-0; DeepSpeed's ZeRO-1/2 partitions in
+    the launcher tests above), step counters and RNG come back from its own file: the losses after
+    it equal an uninterrupted run's."""
+    zero = 0
+    from distributed import run_distributed
+    items = [f"data.data_path=[{fineweb_prefix}]", "data.split=100,0,0", "model.vocab_size=50257",
+             "train.precision=fp32", f"train.zero_stage={zero}", "train.micro_batch_size=1",
+             "train.global_batch_size=4", f"train.train_tokens={64 * 4 * 6}", "train.eval_iters=0",
+             "optimizer.warmup_tokens=0", f"train.save={tmp_path / 'ck'}", "train.save_interval=1000"]
+    want = run_distributed(_uninterrupted, 2, args=(items,), timeout=300)[0]
+    items[-2] = f"train.save={tmp_path / 'ck2'}"
+    before, resumed_at, after = run_distributed(_steps_then_resume_locally, 2, timeout=300,
+                                                args=(items, tmp_path / "local", 5))[0]
+    assert resumed_at == 4, "the newest local save (step 4; train.save holds none now)"
+    assert before == want[:5] and after == want[4:]
+    assert not any((tmp_path / "local").iterdir()), "removed when the run finished"
