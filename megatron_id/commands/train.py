@@ -112,6 +112,10 @@ def run(args) -> int:
                 from ..training.resilience import check_resilience
                 check_resilience(cfg)   # (a rank's refusal would be restarted train.max_restarts times)
                 parse_faults(os.environ.get(ENV, ""))
+                if cfg.train.max_restarts > 0 and args.nnodes == 1:   # (job-prepare did it under SLURM)
+                    from ..training.distributed import uses_cuda
+                    from ..training.engine import check_run
+                    check_run(cfg, layout, on_gpu=uses_cuda())   # everything rank 0 checks, here, once
         except BaseException:
             sys.stderr.write(said.getvalue())
             raise

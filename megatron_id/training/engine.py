@@ -151,12 +151,14 @@ def index_cache_dir(cfg: Config) -> Path:
     return Path(d.index_cache_dir) if d.index_cache_dir else default_cache_dir(d.data_path)
 
 
-def check_run(cfg: Config, layout, on_gpu: bool):
+def check_run(cfg: Config, layout, on_gpu: bool, restarted: bool = False):
     """What train checks before any work (rank 0, before DeepSpeed starts; `megatron-id
     job-prepare` runs the same): the data, the tokenizers, the host's memory, wandb, the metrics
     file, the export at the end, the compiler, the train.save / train.load rules and the
     checkpoint resumed from. Returns (the checkpoint root to resume from or None, a note to print
-    or None, the run's tokenizer (RunTokenizer), the step of that checkpoint or None)."""
+    or None, the run's tokenizer (RunTokenizer), the step of that checkpoint or None).
+    restarted: an in-job restart (train.max_restarts) of a run whose train.load is unset resumes
+    from train.save, where its first attempt saved (checked before that attempt started)."""
     t, d, m = cfg.train, cfg.data, cfg.model
     check_paths(cfg)
     if d.source == DataSource.mqar:   # generated: no files, no tokenizer
@@ -188,7 +190,7 @@ def check_run(cfg: Config, layout, on_gpu: bool):
         check_compile_toolchain("cuda" if on_gpu else "cpu")
     if t.distill.teacher is not None:   # its files, its vocabulary and layers against the student's
         check_teacher(cfg, layout.tensor, tokenizer)
-    resume, note = check_save_and_load(t.save, t.load)
+    resume, note = check_save_and_load(t.save, t.load or (t.save if restarted else None))
     step = None
     if resume is not None:
         folder = latest_folder(resume)
@@ -426,6 +428,8 @@ class Trainer:
         self.cfg = cfg
         self.layout = training_layout(cfg, dist.get_world_size())   # all checks before any work
         self.faults = FaultInjector(dist.get_rank())   # drills (training/faults.py); a bad spec refused here
+        # in-job restarts so far (training/resilience.py); a restart resumes from train.save
+        self.attempt = agreed_attempt("cuda" if uses_cuda() else "cpu")
         self.save_lock = None
         # data, tokenizers and folders, on rank 0; every rank learns where to resume from and
         # the tokenizer identity its checkpoints record
@@ -527,7 +531,7 @@ class Trainer:
         identity of the data's tokenizer (training/agreement.py) and, when that checkpoint is at
         the run's last step or later, its step (a finished run: nothing to train)."""
         t = self.cfg.train
-        resume, note, tokenizer, step = check_run(self.cfg, self.layout, on_gpu=uses_cuda())
+        resume, note, tokenizer, step = check_run(self.cfg, self.layout, on_gpu=uses_cuda(), restarted=self.attempt > 0)
         for line in run_warnings(self.cfg, self.layout, dist.get_world_size()):
             print(f"warning: {line}", file=sys.stderr, flush=True)
         if t.save:
@@ -800,7 +804,7 @@ class Trainer:
         self.metrics = metrics   # its file's position goes into each checkpoint
         self.wandb_run_id = metrics.wandb_run_id or self.wandb_run_id   # kept in the checkpoints
         metrics.header(self.cfg, start_step)
-        attempt = agreed_attempt(self.device)   # in-job restarts so far (training/resilience.py)
+        attempt = self.attempt
         if attempt:
             metrics.scalars({"train/restarts": attempt}, self.step + 1)   # (with the next step's scalars)
             if dist.get_rank() == 0:
