@@ -11,6 +11,10 @@
 # MEGATRON_ID_RUN_DIR resumes from `latest`. The config and the layout are checked once
 # before any process starts.
 #
+# With train.max_restarts=K among the arguments a rank that dies, raises or hangs restarts every
+# rank in place, up to K times, from the newest train.local_save / checkpoint
+# (docs/training-loop.md, "In-job restarts and local saves").
+#
 # Environment: NPROC (processes; default: the number of visible GPUs, or 2 on CPU),
 # MEGATRON_ID_DEVICE (gpu: default when a GPU is visible; cpu), MEGATRON_ID_PYTHON (python3),
 # MEGATRON_ID_RUN_DIR; OMP_NUM_THREADS and NCCL_* as exported.
