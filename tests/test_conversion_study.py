@@ -90,6 +90,7 @@ def test_the_smoke_run_goes_end_to_end_and_continues(tmp_path):
     corpus = slice_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "launch" / "conversion_study.py"), "--smoke", "--seeds", "1",
+               "--batch-tokens", "512",   # 4 x 128: the smoke's steps, each a quarter of the default's tokens
                "--corpus", str(corpus), "--out", str(out)]
     first = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]

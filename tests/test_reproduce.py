@@ -36,7 +36,7 @@ def test_reproduce_smoke_runs_resumes_and_reports(tmp_path):
     corpus = slice_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
     command = [sys.executable, str(ROOT / "launch" / "reproduce.py"), "--smoke", "--corpus", str(corpus),
-               "--study", "length", "mqar", "cube", "--models", "interdomain",
+               "--study", "length", "mqar", "cube", "--models", "interdomain", "--tokens", "8192",   # cube: 2 steps
                "--extra", str(ROOT / "tests" / "data" / "tinyshakespeare-200k.txt"), "--out", str(out)]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)

@@ -268,14 +268,24 @@ def test_every_option_on_two_ranks_then_a_requeue_and_a_kill_during_the_backgrou
     for name in ("a", "b"):
         assert [line["step"] for line in lines if f"valid/{name}/loss" in line] == [4, 8]
     assert lines[-1]["valid/a/loss"] != lines[-1]["valid/b/loss"]
-    for name, prefix in (("a", held_out["held_a"]), ("b", held_out["held_b"])):
-        # step 8's round is the second: samples 4..7 of a dataset of (8 // 4 + 1) x 1 x 4 = 12 samples
-        done = subprocess.run([sys.executable, "-m", "megatron_id.cli", "eval", "perplexity", "--checkpoint", str(save),
-                               "--data", prefix, "--split", "0,100,0", "--samples", "12", "--first-sample", "4",
-                               "--count", "4", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                              stdin=subprocess.DEVNULL)
-        assert done.returncode == 0, done.stderr[-3000:]
-        evaluated = json.loads(done.stdout)["results"][0]["loss"]
+    # step 8's round is the second: samples 4..7 of a dataset of (8 // 4 + 1) x 1 x 4 = 12 samples.
+    # Both commands in one process (megatron_id.cli.main with each argv, as `megatron-id` runs it):
+    # one interpreter and torch import instead of two.
+    commands = [["eval", "perplexity", "--checkpoint", str(save), "--data", held_out[f"held_{name}"], "--split",
+                 "0,100,0", "--samples", "12", "--first-sample", "4", "--count", "4", "--json"] for name in "ab"]
+    script = ("import json, sys\nfrom megatron_id.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
+              "    status = main(argv)\n    sys.stdout.flush()\n    assert status == 0, status\n")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(commands)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    decoder, text, summaries = json.JSONDecoder(), done.stdout.strip(), []
+    while text:
+        summary, end = decoder.raw_decode(text)
+        summaries.append(summary)
+        text = text[end:].strip()
+    assert len(summaries) == 2, done.stdout[-3000:]
+    for name, summary in zip("ab", summaries):
+        evaluated = summary["results"][0]["loss"]
         assert abs(evaluated - lines[-1][f"valid/{name}/loss"]) <= 1e-5 * evaluated, name
     # wandb offline: the run and every step's scalars
     (wandb_id, project, rows), = _wandb_runs(run)
