@@ -119,6 +119,9 @@ def test_a_killed_a_raising_and_a_hung_rank_restart_in_the_job_and_losses_equal_
     assert "injected fault (MEGATRON_ID_INJECT_FAULTS): rank 1 raises at step 8, attempt 1" in output, shown
     assert "rank 2 hangs at step 10, attempt 2" in output, shown
     assert "did not complete within train.collective_timeout_minutes=0.25" in output, shown
+    # the peers of a failed rank say so in one line each, not in a traceback of gloo's error
+    assert "a peer rank ended during step" in output, shown
+    assert not re.search(r"RuntimeError: .*Connection (closed|reset) by peer", output), shown
     # each attempt resumed from the newest local save; the kill lost at most the save interval
     resumed = _resumed_steps(output)
     assert len(resumed) == 3 and resumed[1:] == [6, 8], shown

@@ -181,6 +181,19 @@ def is_collective_timeout(err: BaseException) -> bool:
                                               and ("gloo" in text or "collective" in text.lower()))
 
 
+class PeerGoneError(UserError):
+    """A collective failed because another rank's process ended (killed, crashed, exited): one
+    line here, the cause in that rank's own output (its traceback, or the launcher's line)."""
+
+
+# gloo's words for a peer whose process is gone; NCCL's watchdog aborts the process instead
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def is_peer_gone(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and any(words in str(err) for words in PEER_GONE)
+
+
 class Heartbeat:
     """A daemon thread per rank stamps (time, step, host, pid) into the rendezvous store every
     `period` seconds, on a connection of its own. When a collective times out, the ranks whose

@@ -84,9 +84,11 @@ from .compilation import check_compile_toolchain, compile_engine
 from .distill import Distillation, check_teacher
 from .distributed import (
     Heartbeat,
+    PeerGoneError,
     agree_on_rank0,
     collective_timeout_error,
     is_collective_timeout,
+    is_peer_gone,
     local_device_index,
     skip_deepspeed_shm_build,
     uses_cuda,
@@ -851,6 +853,10 @@ class Trainer:
             if self.cfg.train.export_hf_at_end and self.step >= self.layout.train_iters:
                 self._export_at_end()
         except RuntimeError as err:
+            if is_peer_gone(err):   # another rank ended first: its own output says why
+                raise PeerGoneError(f"rank {dist.get_rank()}: a peer rank ended during step {self.step + 1} "
+                                    f"({str(err).splitlines()[0][:160]}); the first rank that failed says why, "
+                                    f"above") from None
             if not is_collective_timeout(err):
                 raise
             raise collective_timeout_error(err, self.step + 1, self.cfg.train.collective_timeout_minutes,

@@ -207,7 +207,9 @@ def launch_elastic(nproc: int, train_args: list[str], max_restarts: int, debug: 
     config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
                           run_id=run_id or f"megatron-id-{os.getpid()}", rdzv_backend="c10d",
                           rdzv_endpoint=endpoint or f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
-                          monitor_interval=0.5, signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+                          monitor_interval=0.5, signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                          # (torchrun reads this variable itself; the agent API only takes it as given)
+                          shutdown_timeout=_shutdown_timeout())
     try:
         launch_agent(config, sys.executable, ["-m", "megatron_id.cli", "train", *train_args])
     except ChildFailedError as err:
@@ -229,6 +231,13 @@ def launch_elastic(nproc: int, train_args: list[str], max_restarts: int, debug: 
             return 0 if finished is not None and finished() else stopped_exit_status()
         return 128 + int(err.sigval)
     return 0 if finished is None or finished() else stopped_exit_status()
+
+
+def _shutdown_timeout() -> int:
+    """How long the agent gives the ranks to stop after SIGTERM before SIGKILL (a restart, a
+    signal): TORCH_ELASTIC_SHUTDOWN_TIMEOUT as under torchrun, else torchrun's 30 s."""
+    value = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+    return int(value) if value.isdigit() else 30
 
 
 def run_finished(save: str, train_iters: int) -> bool:
