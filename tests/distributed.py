@@ -88,9 +88,12 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 180, collecti
     ctx = _context()
     results = ctx.Queue()
     init_file = tempfile.mktemp(prefix="megatron_id_pg_")
+    # each rank starts its own wandb service, as a real rank does: a WANDB_SERVICE left in this
+    # process's environment by an in-process wandb.init of another test would make every rank of
+    # every later test share that one service (a SIGKILLed rank's run then stays "in use" there)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, init_file, results, args, collective_timeout, dict(os.environ),
-                               os.getpid()))
+                         args=(fn, r, world_size, init_file, results, args, collective_timeout, env, os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()

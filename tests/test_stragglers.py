@@ -56,8 +56,12 @@ def test_the_keys_are_checked():
             load_config([], [item])
 
 
-def test_the_named_rank_reaches_tensorboard_the_jsonl_file_and_wandb(tmp_path, capsys):
+def test_the_named_rank_reaches_tensorboard_the_jsonl_file_and_wandb(tmp_path, capsys, monkeypatch):
     """Rank 0's report of one window (the gather itself is the end-to-end test's)."""
+    # wandb.init in this process exports its service's address (WANDB_SERVICE): not left behind
+    # for later tests' processes, which would then share this service
+    monkeypatch.setenv("WANDB_SERVICE", "")
+    monkeypatch.delenv("WANDB_SERVICE")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from wandb_offline import read_offline_run
 
