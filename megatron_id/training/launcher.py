@@ -213,7 +213,10 @@ def launch_elastic(nproc: int, train_args: list[str], max_restarts: int, debug: 
     try:
         launch_agent(config, sys.executable, ["-m", "megatron_id.cli", "train", *train_args])
     except ChildFailedError as err:
-        number, failure = err.get_first_failure()   # (the others were stopped by the agent)
+        # the rank that failed first; its peers end within the same poll, exit 2 saying "a peer
+        # rank ended" (PeerGoneError), so a failure with another status is the cause when there is one
+        causes = {r: f for r, f in err.failures.items() if f.exitcode != 2} or err.failures
+        number, failure = min(causes.items(), key=lambda item: item[1].timestamp)
         status = failure.exitcode
         restarts = f"after {max_restarts} in-job restart(s) (train.max_restarts={max_restarts})"
         if status < 0:
