@@ -162,17 +162,24 @@ def test_tp2_pp2_job_restarts_a_killed_rank_in_its_allocation_and_matches_torchr
 
 def _elastic_rank_pid(job: str, rank: int) -> int | None:
     """The pid of the training process of global rank `rank` under the elastic agents of job `job`."""
+    for pid, env, _ in _processes():
+        if (env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"RANK") == str(rank).encode()
+                and b"TORCHELASTIC_RUN_ID" in env):
+            return pid
+    return None
+
+
+def _processes():
+    """(pid, environment, command line) of each process of this machine that can be read."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+            cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if (env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"RANK") == str(rank).encode()
-                and b"TORCHELASTIC_RUN_ID" in env):
-            return int(proc.name)
-    return None
+        yield int(proc.name), env, cmdline
 
 
 def test_usr1_checkpoints_requeues_and_resumes_exactly(uninterrupted, cluster, fineweb_prefix, tmp_path):
@@ -212,17 +219,10 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(uninterrupted, cluster, f
 
 def _rank_pid(job: str, rank: int) -> int | None:
     """The pid of the training process of `rank` in SLURM job `job` (all nodes are this machine)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
+    for pid, env, cmdline in _processes():
         if (env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_PROCID") == str(rank).encode()
                 and b"megatron_id.cli\0train" in cmdline):
-            return int(proc.name)
+            return pid
     return None
 
 

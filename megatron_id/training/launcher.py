@@ -114,14 +114,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_environment(base: dict, rank: int, nproc: int, port: int) -> dict:
+def ranks_environment(base: dict) -> dict:
+    """What every rank gets besides its rank variables: the allocator settings (anything exported
+    wins; either malloc variable: then neither is added, as allocator.py does), OMP_NUM_THREADS=1
+    unless exported, unbuffered output."""
     from ..allocator import ALLOCATOR_ENV
-    # anything exported wins (either malloc variable: then neither is added, as allocator.py does)
     env = {**({} if any(k in base for k in ALLOCATOR_ENV) else ALLOCATOR_ENV), **base}
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def rank_environment(base: dict, rank: int, nproc: int, port: int) -> dict:
+    env = ranks_environment(base)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
-               **{LAUNCHER_ENV: str(os.getpid())})
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{LAUNCHER_ENV: str(os.getpid())})
     return env
 
 
@@ -188,14 +195,11 @@ def launch_elastic(nproc: int, train_args: list[str], max_restarts: int, debug: 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
-    from ..allocator import ALLOCATOR_ENV
     check_nproc(nproc, nnodes=nnodes)
     if early:
         return launch(nproc, train_args, debug, early)   # (says so; nothing started)
-    if not any(k in os.environ for k in ALLOCATOR_ENV):
-        os.environ.update(ALLOCATOR_ENV)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.update(PYTHONUNBUFFERED="1", MEGATRON_ID_STOPPED_EXIT_STATUS="0")
+    os.environ.update(ranks_environment(dict(os.environ)))   # (the agent passes its environment on)
+    os.environ["MEGATRON_ID_STOPPED_EXIT_STATUS"] = "0"
     # each rendezvous round's ranks get a store of their own (rank 0 hosts it on a fresh port), as
     # torch's opt-out gives: on the agents' shared store (torch 2.13's default) a restarted round
     # read the previous round's gloo addresses, and across nodes the agents' restart counts differ
