@@ -180,6 +180,10 @@ def test_restart_and_local_save_settings_are_refused_before_any_rank_starts(tmp_
             mention=r"train.local_save=.*/ck/local is inside train.save=.*: give a node-local folder of its own")
     refused([*train, f"train.save={tmp_path}/ck", f"train.local_save={tmp_path}/local", "train.local_save_interval=5",
              "train.zero_stage=3"], unchanged=[tmp_path], mention=r"with train.zero_stage=3: a local save holds")
+    (tmp_path / "a-file").write_text("kept")
+    refused([*train, f"train.save={tmp_path}/ck", f"train.local_save={tmp_path}/a-file", "train.local_save_interval=5",
+             "train.max_restarts=1"], unchanged=[tmp_path],
+            mention=r"train.local_save=.*/a-file is a file, not a folder")
     refused([*train, f"train.save={tmp_path}/ck", "train.max_restarts=1"], unchanged=[tmp_path],
             env={"MEGATRON_ID_INJECT_FAULTS": "crash:step=1"},
             mention=r"MEGATRON_ID_INJECT_FAULTS: unknown fault 'crash'")

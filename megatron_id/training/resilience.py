@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..checkpoint.deepspeed_files import safe_load
 from ..checkpoint.files import ClientState, rng_state, set_rng_state
 from ..config import Config, ConfigError, to_yaml
+from ..errors import check_writable
 from .faults import restart_attempt
 
 KEEP = 2   # newest local saves kept per rank: a kill during the write of one leaves the one before
@@ -49,6 +50,10 @@ def check_resilience(cfg: Config) -> None:
                           f"cheap frequent saves), or train.max_restarts=0.")
     if not t.local_save:
         return
+    if Path(t.local_save).exists() and not Path(t.local_save).is_dir():
+        raise ConfigError(f"train.local_save={t.local_save} is a file, not a folder: give a node-local folder (it is "
+                          f"made if missing), e.g. /tmp/<run name>.")
+    check_writable(t.local_save, "train.local_save")   # (each rank writes there every interval)
     if t.zero_stage == 3:
         raise ConfigError(f"train.local_save={t.local_save} with train.zero_stage=3: a local save holds each rank's "
                           f"module state dict, which ZeRO-3 partitions; use train.zero_stage=1 or 2, or leave "
