@@ -58,5 +58,8 @@ setup(
         # NVIDIA apex (fused RMSNorm / optimizers on GPU) is not on PyPI: build it from source on
         # a CUDA machine; megatron_id uses it when importable and falls back to torch otherwise.
     },
-    entry_points={"console_scripts": ["megatron-id=megatron_id.cli:entry"]},
+    entry_points={"console_scripts": ["megatron-id=megatron_id.cli:entry"],
+                  # vLLM calls it in each of its processes (megatron_id/vllm_plugin: docs/vllm.md); it
+                  # imports vLLM only then, and nothing else in megatron_id imports vLLM
+                  "vllm.general_plugins": ["megatron_id=megatron_id.vllm_plugin:register"]},
 )

@@ -37,6 +37,7 @@ from .commands import (
     plan,
     preprocess,
     serve,
+    serve_vllm,
     train,
 )
 from .commands import eval as eval_command
@@ -45,7 +46,7 @@ from .errors import run_guarded
 
 # in the order `megatron-id --help` lists them
 COMMANDS = (params, preprocess, kernel_resources, train, check_checkpoint, export_hf, import_hf, convert, generate,
-            serve, convert_checkpoint, job_prepare, plan, eval_command)
+            serve, serve_vllm, convert_checkpoint, job_prepare, plan, eval_command)
 
 # Their own parsers (Megatron's flag names; ops/interdomain/resources.py): the rest of the line is
 # handed over whole, unparsed here.

@@ -19,8 +19,8 @@ PACKAGE = ROOT / "megatron_id"
 
 # the floors, lowest first: a module may import its own floor and the ones below it
 LOWER = {"errors", "atomic", "allocator", "config", "model", "ops", "data"}
-HIGHER = {"parallel", "training", "checkpoint", "inference", "evaluation", "hf", "commands", "cli", "reference",
-          "generation"}
+HIGHER = {"parallel", "training", "checkpoint", "inference", "evaluation", "hf", "vllm_plugin", "commands", "cli",
+          "reference", "generation"}
 
 
 def module_files() -> dict[str, Path]:

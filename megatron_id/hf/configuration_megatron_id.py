@@ -7,6 +7,12 @@ this many tokens, carrying the recurrent state (or KV cache) from chunk to chunk
 """
 from transformers import PretrainedConfig
 
+# what each letter of model.layer_pattern (model/pattern.py) is called in `layer_types`, the
+# per-layer list transformers' hybrid configs (Qwen3-Next, LFM2) carry and vLLM reads to size
+# its KV cache: interdomain and S4D-only layers keep a fixed-size state, as linear attention does
+LAYER_TYPES = {"I": "linear_attention", "S": "linear_attention", "A": "full_attention", "W": "sliding_attention"}
+UNIFORM_LETTERS = {"interdomain": "I", "s4d": "S", "softmax": "A"}
+
 
 class MegatronIDConfig(PretrainedConfig):
     model_type = "megatron_id"
@@ -22,5 +28,10 @@ class MegatronIDConfig(PretrainedConfig):
         self.num_attention_heads = m.get("n_heads")
         # the key/value heads of softmax layers (model.n_kv_heads; unset: n_heads, no GQA)
         self.num_key_value_heads = m.get("n_kv_heads") or m.get("n_heads")
+        # one entry per layer (derived, as the names above; layer_pattern without its stage marks)
+        letters = (m.get("layer_pattern") or "").replace("|", "") or \
+            UNIFORM_LETTERS.get(m.get("mixer"), "") * (m.get("n_layers") or 0)
+        kwargs.pop("layer_types", None)   # (written by to_dict: always derived again)
+        self.layer_types = [LAYER_TYPES.get(letter, letter) for letter in letters]
         kwargs.setdefault("tie_word_embeddings", bool(m.get("tie_embeddings", False)))
         super().__init__(**kwargs)

@@ -70,6 +70,7 @@ from ..model.language_model import LanguageModel
 from ..model.spec import ffn_hidden_size, kv_heads
 from ..parallel.layout import LayoutError, check_model_split
 from ..parallel.tensor_parallel import split_state_dict
+from ..vllm_plugin.limits import vllm_warnings
 from .bundle import bundle_source
 from .llama import (
     ARCHITECTURES,
@@ -549,6 +550,8 @@ def export_hf(checkpoint, output, tokenizer=None, prefill_chunk_size: int = 2048
     tokenizer = find_tokenizer(tokenizer, client.tokenizer, folder)
     ids = _tokenizer_ids(tokenizer)
     cfg = client.model_config()
+    for line in vllm_warnings(cfg):   # (the export still serves transformers and megatron-id serve)
+        print(f"export-hf: note: {line}", file=sys.stderr)
     # the tokenizer shipped with the weights is theirs, and none of its ids is beyond the
     # embedding table (else every transformers user fails on the first such id)
     tokenizer_id = check_tokenizer_for_model(load_tokenizer(str(tokenizer)), tokenizer, cfg.vocab_size,

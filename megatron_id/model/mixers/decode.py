@@ -138,11 +138,16 @@ def fixed_state_mixer(x, rope, t: dict, s: FixedStateStatic):
 def fixed_state_mixer_kernel(x, rope, t: dict, s: FixedStateStatic, kernel):
     """fixed_state_mixer with everything between its two matrix products (conv, RoPE, feature
     maps, norms, the state update and the readout) as one C++ call (inference/cpu_kernel.py)."""
+    return fixed_state_between_kernel(x @ t["w_in"].T, rope, t, s, kernel) @ t["o_proj"].T
+
+
+def fixed_state_between_kernel(y, rope, t: dict, s: FixedStateStatic, kernel):
+    """The C++ call alone: y = x W_in^T [B, C + ...] -> the input of W_O (for a caller that runs the
+    two matrix products its own way: the vLLM plugin, on vLLM's prepacked CPU GEMM)."""
     cos, sin = rope if s.rotated else (None, None)
-    o = kernel(x @ t["w_in"].T, t["conv_tail"], t["conv_w"], t["conv_b"], cos, sin, t["kv_norm"], t["kv_bias"],
-               t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"] if s.query else t["e2"], t["state"],
-               s.rotated, s.mapped, s.query, s.dual, s.gate, s.kv_eps)
-    return o @ t["o_proj"].T
+    return kernel(y, t["conv_tail"], t["conv_w"], t["conv_b"], cos, sin, t["kv_norm"], t["kv_bias"],
+                  t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"] if s.query else t["e2"], t["state"],
+                  s.rotated, s.mapped, s.query, s.dual, s.gate, s.kv_eps)
 
 
 def fixed_state_step(x, rope, t: dict, s: FixedStateStatic, kernel=None):

@@ -1,0 +1,173 @@
+"""Serving throughput and pace: vLLM with megatron_id's plugin, `megatron-id serve`, and vLLM serving a
+Llama of the same width and depth (the attention baseline), in one run (issue 54).
+
+    python benchmarks/serve_vllm.py                  # ~6 minutes on 2 cores (a first run also
+                                                     # installs vLLM's CPU build: tests/vllm_env.py)
+    python benchmarks/serve_vllm.py --streams 8 --tokens 64
+
+Models (random weights, GPT-2 vocabulary): benchmarks/generation.py's interdomain model (d 256,
+4 heads, 4 layers, M 64), exported; and a LlamaForCausalLM of d 256, 4 heads, 4 layers and the
+same SwiGLU width, saved by transformers. Each server runs alone on 127.0.0.1 in float32; N
+clients stream greedy completions of a short prompt, --tokens each, at once. Per N: tokens/s
+(all tokens over the wall time from the first request to the last token) and the streams'
+inter-token gaps, p50 and p99. The claim (issue 54): our model in vLLM at least as fast per
+token as the same-size Llama in vLLM from 8 streams on.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))
+from generation import build, export_random  # noqa: E402  (the same random model as the generation rows)
+from vllm_env import stop_server  # noqa: E402
+
+PROMPT = "The water cycle describes how water moves"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_like(folder: Path) -> Path:
+    """A random LlamaForCausalLM of the interdomain model's width, depth, heads and SwiGLU width."""
+    import torch
+    import transformers
+
+    from megatron_id.model.spec import ffn_hidden_size
+    cfg = build("interdomain").cfg
+    config = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                                      num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                                      num_key_value_heads=cfg.n_heads,
+                                      intermediate_size=ffn_hidden_size(cfg), max_position_embeddings=2048,
+                                      rms_norm_eps=cfg.norm_eps, torch_dtype="float32")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(ROOT / "tests/data/gpt2-tokenizer.json"),
+                                         eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+class Server:
+    def __init__(self, command: list[str], env: dict, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([*command, "--port", str(self.port)], stdout=log.open("w"),
+                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.log = log
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"serve_vllm: {command[:4]} exited:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"serve_vllm: {command[:4]} did not come up in 10 minutes")
+
+    def stop(self):
+        stop_server(self.process)
+
+
+async def stream(session, url: str, body: dict, marks: list) -> None:
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as reply:
+        assert reply.status == 200, await reply.text()
+        async for line in reply.content:
+            if line.startswith(b"data: {"):
+                marks.append(time.monotonic())
+
+
+async def load(url: str, model: str, streams: int, tokens: int, vllm: bool) -> dict:
+    import aiohttp
+    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    if vllm:
+        body["ignore_eos"] = True   # (megatron-id serve has no such field; a random model rarely ends early)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        await stream(session, url, {**body, "max_tokens": 4}, [])   # warm-up
+        marks = [[] for _ in range(streams)]
+        start = time.monotonic()
+        await asyncio.gather(*(stream(session, url, body, marks[i]) for i in range(streams)))
+    gaps = [b - a for m in marks for a, b in zip(m, m[1:])]
+    count = sum(len(m) for m in marks)
+    return {"tokens_per_s": count / (max(m[-1] for m in marks) - start), "p50": statistics.median(gaps),
+            "p99": percentile(gaps, 0.99), "tokens": count}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--tokens", type=int, default=128, help="tokens each stream generates (default 128)")
+    p.add_argument("--vllm-python", default=None,
+                   help="the python of a venv with vLLM and this checkout (default: tests/vllm_env.py's cached one)")
+    args = p.parse_args(argv)
+    if min(args.streams) < 1 or args.tokens < 2:
+        raise SystemExit("serve_vllm: error: --streams at least 1, --tokens at least 2")
+    if args.vllm_python is None:
+        from vllm_env import vllm_python
+        args.vllm_python = str(vllm_python())
+    slots = max(args.streams)
+    vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+                "VLLM_NO_USAGE_STATS": "1"}
+
+    def vllm(folder):
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                "--served-model-name", "m", "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024",
+                "--max-num-seqs", str(slots), "--seed", "0"]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        ours = export_random("interdomain", tmp / "interdomain")
+        llama = llama_like(tmp / "llama")
+        servers = {
+            "vLLM + plugin, interdomain": (vllm(ours), vllm_env, True),
+            "megatron-id serve, interdomain": ([sys.executable, "-m", "megatron_id.cli", "serve", "--checkpoint",
+                                                str(ours), "--slots", str(slots), "--max-model-len", "1024",
+                                                "--max-pending", str(4 * slots), "--served-model-name", "m"],
+                                               {**os.environ, "PYTHONPATH": str(ROOT)}, False),
+            "vLLM, Llama (softmax)": (vllm(llama), vllm_env, True),
+        }
+        for name, (command, env, is_vllm) in servers.items():
+            server = Server(command, env, tmp / f"{len(rows)}.log")
+            try:
+                for n in args.streams:
+                    rows[(name, n)] = asyncio.run(load(server.url, "m", n, args.tokens, is_vllm))
+                    print(f"  {name}, {n} stream(s): {rows[(name, n)]}", file=sys.stderr, flush=True)
+            finally:
+                server.stop()
+    print(f"\n## Serving d 256 x 4 layers (random weights, float32), {args.tokens} tokens per stream, greedy: "
+          f"tokens/s (inter-token p50 / p99)\n")
+    print("| streams | " + " | ".join(dict.fromkeys(name for name, _ in rows)) + " | plugin / Llama tokens/s |")
+    print("|---|" + "---|" * (len(servers) + 1))
+    for n in args.streams:
+        cells = [f"{r['tokens_per_s']:.0f} ({r['p50'] * 1000:.1f} / {r['p99'] * 1000:.1f} ms)"
+                 for (name, m), r in rows.items() if m == n]
+        ours, llama = rows[("vLLM + plugin, interdomain", n)], rows[("vLLM, Llama (softmax)", n)]
+        ratio = ours["tokens_per_s"] / llama["tokens_per_s"]
+        print(f"| {n} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+    print("\n" + json.dumps({f"{name} @ {n}": r for (name, n), r in rows.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

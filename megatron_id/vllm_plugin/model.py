@@ -1,0 +1,294 @@
+"""The export's model in vLLM: megatron_id's own LanguageModel (the training code, weights loaded
+from the export's model.safetensors as they are), with each layer's mixer run against vLLM's
+state and KV cache:
+
+- interdomain and S4D-only layers (FixedStateLayer): the state a sequence carries, the complex
+  S4D state and the short convs' tails, lives in vLLM's per-request state slots (a Mamba-style
+  layer: vLLM allocates, frees and, with prefix caching, copies the slots). Each engine step's
+  decodes go through the mixer's fused decode step (model/mixers/decode.py, the C++ core on a
+  CPU) on their slots at once; each prefill, whole or a chunk of a longer prompt, through the
+  mixer's own chunked form, starting from the slot's state when it continues one.
+- softmax and sliding-window layers (AttentionLayer): the mixer's projections and RoPE, then
+  vLLM's paged attention over vLLM's KV cache.
+
+Norms, SwiGLU, the embedding and the head are the LanguageModel's modules, called as its blocks
+call them. Tensor and pipeline parallelism are not supported here (one process; the export's
+tensor-parallel serving is megatron-id serve's).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ..model.language_model import LanguageModel
+from ..model.layers import apply_rope
+from ..model.mixers.decode import fixed_state_between_kernel, state_dtype
+from ..model.mixers.interdomain import InterdomainMixer
+from ..model.roles import Group, names_in_group
+from ..model.spec import model_config_from_values
+from . import BACKEND
+from .limits import check_servable
+
+
+def is_fixed_state(mixer) -> bool:
+    return hasattr(mixer, "decode_facts") and mixer.decode_facts().fixed_size
+
+
+def state_shapes(cfg) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(conv tails [C, K-1], state [H, 2 Dh, 2M]) of every fixed-state layer of the model (None:
+    it has none), from the mixers' own decode buffers (model/mixers/decode.py) on the meta
+    device. The layers of a hybrid may convolve different projections (an I layer's q, k or
+    q, a, b, an S layer's a, b): every slot is allocated for the widest, a layer uses its own
+    first channels, so that all of them share one state spec (one group of vLLM's cache)."""
+    with torch.device("meta"):
+        model = LanguageModel(cfg, seed=None)
+    buffers = [block.mixer.allocate_decode_state(1, device="meta") for block in model.layers
+               if is_fixed_state(block.mixer)]
+    if not buffers:
+        return None
+    channels = max(b["conv_tail"].shape[1] for b in buffers)
+    return (channels, buffers[0]["conv_tail"].shape[2]), tuple(buffers[0]["state"].shape[1:])
+
+
+class FixedStateLayer(MambaBase, nn.Module):
+    """An interdomain / S4D-only layer's mixer against vLLM's state slots (see the module's text).
+    The mixer is the LanguageModel's (held, not registered: its parameters are loaded there)."""
+
+    def __init__(self, mixer, prefix: str, shapes, dtypes):
+        super().__init__()
+        self._mixer = [mixer]
+        self.prefix, self.shapes, self.dtypes = prefix, shapes, dtypes
+        self.convolved = [f"{name}_conv" for name in mixer._decode_convolved()]
+        self.widths = [getattr(mixer, name).weight.shape[0] for name in self.convolved]
+        self.tables = None   # the decode step's parameter-only tables: built at the first decode
+        self.linears = None
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    # what vLLM reads of a Mamba-style layer
+    def get_state_shape(self):
+        return self.shapes
+
+    def get_state_dtype(self):
+        return self.dtypes
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum[BACKEND]
+
+    @property
+    def mixer(self):
+        return self._mixer[0]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, d]: the engine step's tokens, normalised (the decodes' first, then each
+        prefill's), positions [T] -> the mixer's output [T, d]."""
+        metadata = get_forward_context().attn_metadata
+        m = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if m is None:   # vLLM's profiling and warm-up runs: no request, no state
+            return self.mixer(x[None])[0]
+        out = torch.zeros_like(x)   # (tokens past the requests' own, if vLLM pads the step)
+        decodes = m.num_decode_tokens
+        if m.num_decodes:
+            slots = m.state_indices_tensor_d
+            slots = slots[:, 0] if slots.dim() == 2 else slots
+            out[:decodes] = self.decode(x[:decodes], positions[:decodes], slots[:m.num_decodes])
+        if m.num_prefills:
+            bounds = (m.query_start_loc_p[:m.num_prefills + 1] + decodes).tolist()
+            slots = m.state_indices_tensor_p[:m.num_prefills].tolist()
+            continues = m.has_initial_states_p[:m.num_prefills].tolist()
+            for (a, b), slot, cont in zip(zip(bounds, bounds[1:]), slots, continues):
+                y, state = self.mixer(x[None, a:b], state=self.read(slot) if cont else None, return_state=True,
+                                      position_ids=positions[None, a:b])
+                out[a:b] = y[0]
+                self.write(slot, state)
+        return out
+
+    def slot_views(self) -> dict:
+        """The slots as the mixer's decode buffers (views: writes land in vLLM's cache)."""
+        conv, state = self.kv_cache
+        return {"conv_tail": conv[:, :sum(self.widths)], "state": state}
+
+    def read(self, slot: int) -> dict:
+        """A slot as the state the mixer's forward continues from (the inverse of the mixer's
+        load_decode_state: S [H, P, 2M], Re and Im side by side -> X [1, H, M, P] complex)."""
+        buffers = self.slot_views()
+        S = buffers["state"][slot]
+        X = torch.view_as_complex(S.reshape(*S.shape[:-1], -1, 2).contiguous()).transpose(-1, -2)
+        tails = buffers["conv_tail"][slot].split(self.widths)
+        return {"ssm": X[None].contiguous(), "conv": {name: t[None].clone() for name, t in zip(self.convolved, tails)},
+                "pos": 0, "tables": None}
+
+    def write(self, slot: int, state: dict) -> None:
+        self.mixer.load_decode_state(self.slot_views(), slot, state)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each decoding request through the fused step, on copies of their slots
+        (the step updates its buffers in place), written back after."""
+        if self.tables is None:
+            self.tables, self.static = self.mixer.decode_tables()
+            rope = self.mixer.decode_facts().rope
+            self.inv_freq = None if rope is None else rope[1] ** (
+                -torch.arange(0, rope[0], 2, device=x.device, dtype=state_dtype(x.dtype)) / rope[0])
+            self.kernel = fixed_state_kernel(x)
+            self.linears = ((cpu_linear(self.tables["w_in"]), cpu_linear(self.tables["o_proj"]))
+                            if current_platform.is_cpu() else None)
+        buffers, rows = self.slot_views(), slots.tolist()
+        # slot by slot: each slot is contiguous in vLLM's pages, the slots are not (measured at 8
+        # slots of d 256: 150 us a layer for both ways, against 500 for one indexed copy each way)
+        t = {**self.tables, **{name: torch.stack([buffer[i] for i in rows]) for name, buffer in buffers.items()}}
+        rope = None
+        if self.inv_freq is not None:
+            angles = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq
+            rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
+        if self.kernel is not None and self.linears is not None:   # the C++ core between vLLM's GEMMs
+            w_in, o_proj = self.linears
+            y = o_proj(fixed_state_between_kernel(w_in(x), rope, t, self.static, self.kernel))
+        else:
+            y = self.mixer.decode_step(x, rope, t, self.static, self.kernel)
+        for name, buffer in buffers.items():
+            for j, i in enumerate(rows):
+                buffer[i].copy_(t[name][j])
+        return y
+
+
+def fixed_state_kernel(x: torch.Tensor):
+    """megatron_id's C++ core of the decode step where it applies (a CPU, float32/float64), as
+    megatron-id generate decodes; else None (the torch ops: the same math)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return None
+    from ..inference import cpu_kernel
+    return cpu_kernel.fixed_state_step_kernel()
+
+
+def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [..., K] -> x @ weight.T (+ bias) by vLLM's CPU GEMM: oneDNN with the weight prepacked once
+    (vLLM's own linear layers use it on a CPU). Measured here, 1 thread, [8, 256] x [256, 50257]
+    (the LM head at 8 streams): 3.7 ms against torch's 10.9; the layers' projections 1.2-1.5x."""
+    holder = SimpleNamespace(weight=weight.detach(), bias=None if bias is None else bias.detach())
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+
+    def linear(x):
+        out = holder.cpu_linear(x.reshape(-1, x.shape[-1]), holder.weight, holder.bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return linear
+
+
+class AttentionLayer(nn.Module):
+    """A softmax (or sliding-window) layer's mixer: its projections and RoPE, then vLLM's
+    attention over vLLM's paged KV cache."""
+
+    def __init__(self, mixer, prefix: str, cache_config):
+        super().__init__()
+        self._mixer = [mixer]
+        Dh = mixer.head_dim
+        self.head_dim = Dh
+        self.attn = Attention(mixer.q_proj.weight.shape[0] // Dh, Dh, Dh ** -0.5,
+                              num_kv_heads=mixer.k_proj.weight.shape[0] // Dh, cache_config=cache_config,
+                              per_layer_sliding_window=mixer.window, prefix=prefix)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = self._mixer[0]
+        q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
+        if m.rope:   # the model's own RoPE (half-split, as vLLM's neox style), at vLLM's positions
+            T = x.shape[0]
+            q = apply_rope(q.view(1, T, -1, self.head_dim), positions[None], m.rope_theta).view(T, -1)
+            k = apply_rope(k.view(1, T, -1, self.head_dim), positions[None], m.rope_theta).view(T, -1)
+        return m.o_proj(self.attn(q, k, v))
+
+
+class MegatronIDForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixCaching):
+    """vLLM's model for architecture MegatronIDForCausalLM (registered by vllm_plugin.register)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        cfg = model_config_from_values(vllm_config.model_config.hf_config.model)
+        check_servable(cfg, vllm_config)
+        self.cfg = cfg
+        self.model = LanguageModel(cfg, form="chunked", seed=None)
+        # the SSM parameters stay float32 in a bf16/fp16 model, as the Hugging Face export keeps
+        # them (hf/modeling_megatron_id.py): rounding Delta, A or C changes every output
+        ssm = set(names_in_group(InterdomainMixer, Group.SSM))
+        for name, parameter in self.model.named_parameters():
+            if ".mixer." in name and name.rsplit(".", 1)[-1] in ssm:
+                parameter.data = parameter.data.float()
+        shapes = state_shapes(cfg)
+        dtypes = self.get_mamba_state_dtype_from_config(vllm_config)
+        head = f"{prefix}." if prefix else ""
+        self.mixing = nn.ModuleList(
+            FixedStateLayer(block.mixer, f"{head}model.layers.{i}.mixer", shapes, dtypes)
+            if is_fixed_state(block.mixer) else
+            AttentionLayer(block.mixer, f"{head}model.layers.{i}.mixer.attn", vllm_config.cache_config)
+            for i, block in enumerate(self.model.layers))
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return state_shapes(model_config_from_values(vllm_config.model_config.hf_config.model))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+        """The conv tails in the model's dtype, the recurrent state in float32 (float64 in a
+        float64 model), as the fused decode step keeps them."""
+        dtype = vllm_config.model_config.dtype
+        return dtype, state_dtype(dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        """Prefix caching copies a slot whole: both tensors are the state after a token."""
+        return get_temporal_copy_spec, get_temporal_copy_spec
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The LanguageModel's blocks (model/language_model.py: h + mixer(norm(h)), then
+        h + SwiGLU(norm(h))) on the engine step's tokens [T]; returns the final norm's output."""
+        h = self.model.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        for block, mixing in zip(self.model.layers, self.mixing):
+            h = h + mixing(block.mixer_norm(h), positions)
+            h = h + block.ffn(block.ffn_norm(h))
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """model.safetensors as export-hf wrote it: the LanguageModel's state under `model.`.
+        A tensor this model has no parameter for is refused by name (nothing is dropped)."""
+        parameters = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in parameters:
+                raise ValueError(f"the export's weights have {name!r}, which this model has no parameter for: "
+                                 f"an export of another megatron_id version, or a changed model section in "
+                                 f"config.json? Export the checkpoint again with this megatron_id (megatron-id "
+                                 f"export-hf).")
+            target = parameters[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"the export's {name} is {tuple(tensor.shape)}, the model built from config.json "
+                                 f"expects {tuple(target.shape)}: config.json and model.safetensors disagree.")
+            with torch.no_grad():
+                target.copy_(tensor)
+            loaded.add(name)
+        if current_platform.is_cpu():   # every projection and the LM head on vLLM's CPU GEMM
+            for module in self.model.modules():
+                if isinstance(module, nn.Linear):
+                    module.forward = cpu_linear(module.weight, module.bias)
+        # vLLM's own parameters (its attention layers' scales, if any) keep their defaults
+        return loaded | {name for name in parameters if not name.startswith("model.")}
