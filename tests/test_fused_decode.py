@@ -203,3 +203,39 @@ def test_the_first_build_says_so_before_its_pause_and_when_it_is_done(monkeypatc
         (tmp_path / name / f"{name}.so").write_bytes(b"")
         cpu_kernel.fixed_state_step_kernel.__wrapped__()
         assert "built" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["interdomain", "no query readout (contraction), dual input", "single kv input"])
+def test_the_kernel_updates_chosen_slots_of_strided_pages_in_place(case):
+    """`rows` (the vLLM plugin's decode): row b updates slot rows[b] of conv tails and states that
+    are views into pages (vLLM's layout: each slot contiguous, the slots a page apart), exactly as
+    the kernel updates the same slots copied out into contiguous buffers; the other slots are
+    untouched; a row past the slots is refused."""
+    from megatron_id.model.mixers.decode import fixed_state_between_kernel
+    model = tiny(CASES[case], layers=1)
+    decoder = FusedDecoder(model, slots=1, kernel="cpp")
+    layer = decoder.layers[0]
+    t, s = layer.tensors, layer.static
+    tail_shape, state_shape = layer.buffers["conv_tail"].shape[1:], layer.buffers["state"].shape[1:]
+    n_tail, n_state = tail_shape.numel(), state_shape.numel()
+    g = torch.Generator().manual_seed(5)
+    pages = torch.randn(9, n_tail + n_state + 7, generator=g, dtype=torch.float64)   # 7: a page's padding
+    conv = pages[:, :n_tail].view(9, *tail_shape)
+    state = pages[:, n_tail:n_tail + n_state].view(9, *state_shape)
+    rows = torch.tensor([6, 1, 4])
+    y = torch.randn(3, t["w_in"].shape[0], generator=g, dtype=torch.float64)
+    rope = None
+    if s.rotated:
+        angles = torch.tensor([3.0, 11.0, 7.0], dtype=torch.float64)[:, None] * decoder.rope_tables[layer.facts.rope]
+        rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
+    copies = {"conv_tail": conv[rows].clone(), "state": state[rows].clone()}
+    want = fixed_state_between_kernel(y, rope, {**t, **copies}, s, decoder.core)
+    before = pages.clone()
+    got = fixed_state_between_kernel(y, rope, {**t, "conv_tail": conv, "state": state}, s, decoder.core, rows=rows)
+    assert torch.equal(got, want)
+    assert torch.equal(conv[rows], copies["conv_tail"]) and torch.equal(state[rows], copies["state"])
+    others = [i for i in range(9) if i not in rows.tolist()]
+    assert torch.equal(pages[others], before[others]) and not torch.equal(pages[rows], before[rows])
+    with pytest.raises(RuntimeError, match=r"rows\[1\] = 9 is not a slot"):
+        fixed_state_between_kernel(y, rope, {**t, "conv_tail": conv, "state": state}, s, decoder.core,
+                                   rows=torch.tensor([0, 9, 2]))

@@ -28,10 +28,13 @@ class MegatronIDConfig(PretrainedConfig):
         self.num_attention_heads = m.get("n_heads")
         # the key/value heads of softmax layers (model.n_kv_heads; unset: n_heads, no GQA)
         self.num_key_value_heads = m.get("n_kv_heads") or m.get("n_heads")
-        # one entry per layer (derived, as the names above; layer_pattern without its stage marks)
+        # one entry per layer (derived, as the names above; layer_pattern without its stage marks),
+        # only where every layer is of a known kind: transformers refuses a list of another length
+        # or with another name in it (a mixer added after this file, docs/adding-a-mixer.md)
         letters = (m.get("layer_pattern") or "").replace("|", "") or \
-            UNIFORM_LETTERS.get(m.get("mixer"), "") * (m.get("n_layers") or 0)
+            UNIFORM_LETTERS.get(m.get("mixer"), "?") * (m.get("n_layers") or 0)
         kwargs.pop("layer_types", None)   # (written by to_dict: always derived again)
-        self.layer_types = [LAYER_TYPES.get(letter, letter) for letter in letters]
+        if letters and len(letters) == m.get("n_layers") and set(letters) <= set(LAYER_TYPES):
+            self.layer_types = [LAYER_TYPES[letter] for letter in letters]
         kwargs.setdefault("tie_word_embeddings", bool(m.get("tie_embeddings", False)))
         super().__init__(**kwargs)

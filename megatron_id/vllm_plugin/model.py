@@ -148,19 +148,22 @@ class FixedStateLayer(MambaBase, nn.Module):
             self.kernel = fixed_state_kernel(x)
             self.linears = ((cpu_linear(self.tables["w_in"]), cpu_linear(self.tables["o_proj"]))
                             if current_platform.is_cpu() else None)
-        buffers, rows = self.slot_views(), slots.tolist()
-        # slot by slot: each slot is contiguous in vLLM's pages, the slots are not (measured at 8
-        # slots of d 256: 150 us a layer for both ways, against 500 for one indexed copy each way)
-        t = {**self.tables, **{name: torch.stack([buffer[i] for i in rows]) for name, buffer in buffers.items()}}
+        buffers = self.slot_views()
         rope = None
         if self.inv_freq is not None:
             angles = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq
             rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
-        if self.kernel is not None and self.linears is not None:   # the C++ core between vLLM's GEMMs
+        if self.kernel is not None and self.linears is not None:
+            # the C++ core between vLLM's GEMMs, on the requests' slots in vLLM's pages in place
             w_in, o_proj = self.linears
-            y = o_proj(fixed_state_between_kernel(w_in(x), rope, t, self.static, self.kernel))
-        else:
-            y = self.mixer.decode_step(x, rope, t, self.static, self.kernel)
+            return o_proj(fixed_state_between_kernel(w_in(x), rope, {**self.tables, **buffers}, self.static,
+                                                     self.kernel, rows=slots.to(torch.long).contiguous()))
+        # the torch ops take slots 0..B-1 of contiguous buffers: copies of the requests' slots, slot
+        # by slot (each is contiguous in vLLM's pages, the slots are not: at 8 slots of d 256, 150 us
+        # a layer both ways, against 500 for one indexed copy each way), written back after
+        rows = slots.tolist()
+        t = {**self.tables, **{name: torch.stack([buffer[i] for i in rows]) for name, buffer in buffers.items()}}
+        y = self.mixer.decode_step(x, rope, t, self.static, self.kernel)
         for name, buffer in buffers.items():
             for j, i in enumerate(rows):
                 buffer[i].copy_(t[name][j])

@@ -10,6 +10,9 @@
 // reading them out (the readout uses the updated state, as the model does).
 //
 // State layout (as fused_decode.py): S [B, H, P, 2M], Re and Im of each mode side by side.
+// `rows` (optional, int64 [B]): the token of row b updates slot rows[b] of conv_tail and state,
+// which may then be views with any stride between slots (each slot's own numbers contiguous):
+// vLLM's state pages, updated in place without copying the slots out and back (vllm_plugin).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,7 +41,9 @@ void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, 
           const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin, const at::Tensor& kv_norm,
           const at::Tensor& kv_bias, const at::Tensor& lam_re, const at::Tensor& lam_im, const at::Tensor& bbar_re,
           const at::Tensor& bbar_im, const at::Tensor& readout, at::Tensor& state, int64_t rotated,
-          int64_t mapped, bool query, bool dual, bool gate, double norm_eps, at::Tensor& out) {
+          int64_t mapped, bool query, bool dual, bool gate, double norm_eps, const int64_t* rowp,
+          at::Tensor& out) {
+  const int64_t tail_stride = conv_tail.stride(0), state_stride = state.stride(0);
   const int64_t B = y.size(0), Y = y.size(1), C = conv_w.size(0), K = conv_w.size(1);
   const int64_t H = kv_bias.size(1), Dh = kv_bias.size(2), M = lam_re.size(-1), M2 = 2 * M;
   const int64_t P = state.size(2), pieces = C / (H * Dh), first = query ? 1 : 0;
@@ -59,7 +64,7 @@ void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> work(pieces * Dh + 2 * Dh + 2 * M2);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H;
+      const int64_t b = task / H, h = task % H, slot = rowp ? rowp[b] : b;
       T* piece = work.data();              // [pieces, Dh]: this head's convolved projections
       T* z = piece + pieces * Dh;          // [2 Dh]: key, value
       T* u = z + 2 * Dh;                   // [2M]
@@ -69,7 +74,7 @@ void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, 
       for (int64_t p = 0; p < pieces; ++p) {
         for (int64_t d = 0; d < Dh; ++d) {
           const int64_t c = p * H * Dh + h * Dh + d;
-          T* t = tail + (b * C + c) * (K - 1);
+          T* t = tail + slot * tail_stride + c * (K - 1);
           const T* wc = cw + c * K;
           T acc = cb[c] + yb[c] * wc[K - 1];
           for (int64_t i = 0; i < K - 1; ++i) acc += t[i] * wc[i];
@@ -113,7 +118,7 @@ void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, 
         for (int64_t d = 0; d < Dh; ++d) x[d] = x[d] * r * kn[i * Dh + d] + kb[(i * H + h) * Dh + d];
       }
       const T *lrh = lr + h * M, *lih = li + h * M, *brh = br + h * M, *bih = bi + h * M;
-      T* Sh = S + (b * H + h) * P * M2;
+      T* Sh = S + slot * state_stride + h * P * M2;
       T* oh = o + b * H * out_width + h * out_width;
       if (query) {
         // u = q S_k (the updated key rows), w = u G2, o = S_v w (the updated value rows)
@@ -163,7 +168,8 @@ at::Tensor fixed_state_step(const at::Tensor& y, at::Tensor conv_tail, const at:
                             const c10::optional<at::Tensor>& sin, const at::Tensor& kv_norm, const at::Tensor& kv_bias,
                             const at::Tensor& lam_re, const at::Tensor& lam_im, const at::Tensor& bbar_re,
                             const at::Tensor& bbar_im, const at::Tensor& readout, at::Tensor state, int64_t rotated,
-                            int64_t mapped, bool query, bool dual, bool gate, double norm_eps) {
+                            int64_t mapped, bool query, bool dual, bool gate, double norm_eps,
+                            const c10::optional<at::Tensor>& rows) {
   const auto dtype = y.scalar_type();
   const at::Tensor* tensors[] = {&y, &conv_tail, &conv_w, &conv_b, &kv_norm, &kv_bias, &lam_re, &lam_im,
                                  &bbar_re, &bbar_im, &readout, &state};
@@ -171,9 +177,26 @@ at::Tensor fixed_state_step(const at::Tensor& y, at::Tensor conv_tail, const at:
                          "bbar_re", "bbar_im", "readout", "state"};
   for (int i = 0; i < 12; ++i) {
     const at::Tensor& t = *tensors[i];
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "fixed_state_step: ",
+    // with rows, the slots of conv_tail and state (i = 1, 11) may lie apart: each one contiguous
+    const bool dense = (rows && (i == 1 || i == 11)) ? t[0].is_contiguous() : t.is_contiguous();
+    TORCH_CHECK(t.device().is_cpu() && dense && t.scalar_type() == dtype, "fixed_state_step: ",
                 names[i], " must be contiguous, on the CPU and ", dtype, " (as y); it is ", t.scalar_type(),
-                " on ", t.device(), t.is_contiguous() ? "" : ", not contiguous");
+                " on ", t.device(), dense ? "" : ", not contiguous");
+  }
+  const int64_t B = y.size(0);
+  const int64_t* rowp = nullptr;
+  if (rows) {
+    TORCH_CHECK(rows->device().is_cpu() && rows->is_contiguous() && rows->scalar_type() == at::kLong &&
+                    rows->dim() == 1 && rows->size(0) == B,
+                "fixed_state_step: rows must be a contiguous int64 CPU tensor of one slot per row of y");
+    rowp = rows->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(rowp[b] >= 0 && rowp[b] < state.size(0) && rowp[b] < conv_tail.size(0),
+                  "fixed_state_step: rows[", b, "] = ", rowp[b], " is not a slot of the state (", state.size(0), ")");
+    }
+  } else {
+    TORCH_CHECK(state.size(0) >= B && conv_tail.size(0) >= B, "fixed_state_step: ", B, " rows of y for ",
+                state.size(0), " slots");
   }
   TORCH_CHECK(!rotated || (cos && sin && cos->is_contiguous() && sin->is_contiguous() &&
                            cos->scalar_type() == dtype && sin->scalar_type() == dtype),
@@ -182,10 +205,10 @@ at::Tensor fixed_state_step(const at::Tensor& y, at::Tensor conv_tail, const at:
   auto out = at::empty({y.size(0), H * (query ? P - Dh : P)}, y.options());
   if (dtype == at::kFloat) {
     step<float>(y, conv_tail, conv_w, conv_b, cos, sin, kv_norm, kv_bias, lam_re, lam_im, bbar_re, bbar_im, readout,
-                state, rotated, mapped, query, dual, gate, norm_eps, out);
+                state, rotated, mapped, query, dual, gate, norm_eps, rowp, out);
   } else if (dtype == at::kDouble) {
     step<double>(y, conv_tail, conv_w, conv_b, cos, sin, kv_norm, kv_bias, lam_re, lam_im, bbar_re, bbar_im, readout,
-                 state, rotated, mapped, query, dual, gate, norm_eps, out);
+                 state, rotated, mapped, query, dual, gate, norm_eps, rowp, out);
   } else {
     TORCH_CHECK(false, "fixed_state_step: float32 or float64, not ", dtype);
   }
@@ -198,6 +221,6 @@ TORCH_LIBRARY(megatron_id, m) {
   m.def("fixed_state_step(Tensor y, Tensor(a!) conv_tail, Tensor conv_w, Tensor conv_b, Tensor? cos, Tensor? sin, "
         "Tensor kv_norm, Tensor kv_bias, Tensor lam_re, Tensor lam_im, Tensor bbar_re, Tensor bbar_im, "
         "Tensor readout, Tensor(b!) state, int rotated, int mapped, bool query, bool dual, bool gate, "
-        "float norm_eps) -> Tensor");
+        "float norm_eps, Tensor? rows=None) -> Tensor");
   m.impl("fixed_state_step", c10::DispatchKey::CPU, TORCH_FN(fixed_state_step));
 }

@@ -141,13 +141,15 @@ def fixed_state_mixer_kernel(x, rope, t: dict, s: FixedStateStatic, kernel):
     return fixed_state_between_kernel(x @ t["w_in"].T, rope, t, s, kernel) @ t["o_proj"].T
 
 
-def fixed_state_between_kernel(y, rope, t: dict, s: FixedStateStatic, kernel):
+def fixed_state_between_kernel(y, rope, t: dict, s: FixedStateStatic, kernel, rows=None):
     """The C++ call alone: y = x W_in^T [B, C + ...] -> the input of W_O (for a caller that runs the
-    two matrix products its own way: the vLLM plugin, on vLLM's prepacked CPU GEMM)."""
+    two matrix products its own way: the vLLM plugin, on vLLM's prepacked CPU GEMM). rows (int64
+    [B], optional): row b's slot in t's buffers, which may then be any slots of strided views
+    (vLLM's state pages, updated in place); without it, row b is slot b."""
     cos, sin = rope if s.rotated else (None, None)
     return kernel(y, t["conv_tail"], t["conv_w"], t["conv_b"], cos, sin, t["kv_norm"], t["kv_bias"],
                   t["lam_re"], t["lam_im"], t["bbar_re"], t["bbar_im"], t["g2"] if s.query else t["e2"], t["state"],
-                  s.rotated, s.mapped, s.query, s.dual, s.gate, s.kv_eps)
+                  s.rotated, s.mapped, s.query, s.dual, s.gate, s.kv_eps, rows)
 
 
 def fixed_state_step(x, rope, t: dict, s: FixedStateStatic, kernel=None):
