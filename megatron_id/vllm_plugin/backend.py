@@ -51,9 +51,16 @@ class FixedStateModelConfig(MambaModelConfig):
 
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
+        hf_config = vllm_config.model_config.hf_config
+        types = getattr(hf_config, "layer_types", None) or []
+        if types and "linear_attention" not in types:
+            # softmax and sliding-window layers only: an attention model to vLLM, not a hybrid with
+            # no state layer (which it cannot size: "'NoneType' object is not iterable"); each
+            # layer's window is its Attention's own (per_layer_sliding_window)
+            hf_config.layer_types = ["full_attention"] * len(types)
+            return
         super().verify_and_update_config(vllm_config)
         cache = vllm_config.cache_config
-        types = getattr(vllm_config.model_config.hf_config, "layer_types", None) or []
         attention_free = not any(t in ("full_attention", "sliding_attention") for t in types)
         if attention_free and cache.mamba_cache_mode == "align" and not cache.user_specified_block_size:
             cache.block_size = cache.mamba_block_size

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
@@ -102,8 +103,11 @@ class FixedStateLayer(MambaBase, nn.Module):
         m = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         if m is None:   # vLLM's profiling and warm-up runs: no request, no state
             return self.mixer(x[None])[0]
-        out = torch.zeros_like(x)   # (tokens past the requests' own, if vLLM pads the step)
         decodes = m.num_decode_tokens
+        if m.num_decodes and not m.num_prefills and decodes == x.shape[0]:   # a step of decodes only
+            slots = m.state_indices_tensor_d
+            return self.decode(x, positions, (slots[:, 0] if slots.dim() == 2 else slots)[:m.num_decodes])
+        out = torch.zeros_like(x)   # (tokens past the requests' own, if vLLM pads the step)
         if m.num_decodes:
             slots = m.state_indices_tensor_d
             slots = slots[:, 0] if slots.dim() == 2 else slots
@@ -230,6 +234,7 @@ class MegatronIDForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPre
         for name, parameter in self.model.named_parameters():
             if ".mixer." in name and name.rsplit(".", 1)[-1] in ssm:
                 parameter.data = parameter.data.float()
+        self.ffn_linears = None   # on a CPU, after loading: each block's SwiGLU on vLLM's GEMM
         shapes = state_shapes(cfg)
         dtypes = self.get_mamba_state_dtype_from_config(vllm_config)
         head = f"{prefix}." if prefix else ""
@@ -263,9 +268,14 @@ class MegatronIDForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPre
         """The LanguageModel's blocks (model/language_model.py: h + mixer(norm(h)), then
         h + SwiGLU(norm(h))) on the engine step's tokens [T]; returns the final norm's output."""
         h = self.model.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        for block, mixing in zip(self.model.layers, self.mixing):
+        for i, (block, mixing) in enumerate(zip(self.model.layers, self.mixing)):
             h = h + mixing(block.mixer_norm(h), positions)
-            h = h + block.ffn(block.ffn_norm(h))
+            if self.ffn_linears is None:
+                h = h + block.ffn(block.ffn_norm(h))
+            else:   # the SwiGLU with [w1 | w3] as one GEMM, as the fused decode step has it
+                w13, w2 = self.ffn_linears[i]
+                a, b = w13(block.ffn_norm(h)).chunk(2, dim=-1)
+                h = h + w2(F.silu(a) * b)
         return self.model.norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -293,5 +303,7 @@ class MegatronIDForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPre
             for module in self.model.modules():
                 if isinstance(module, nn.Linear):
                     module.forward = cpu_linear(module.weight, module.bias)
+            self.ffn_linears = [(cpu_linear(torch.cat([block.ffn.w1.weight, block.ffn.w3.weight])),
+                                 cpu_linear(block.ffn.w2.weight)) for block in self.model.layers]
         # vLLM's own parameters (its attention layers' scales, if any) keep their defaults
         return loaded | {name for name in parameters if not name.startswith("model.")}
