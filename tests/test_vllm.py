@@ -221,6 +221,19 @@ def test_vllm_serves_the_export_token_for_token_as_megatron_id_generate(exports,
         raise
 
 
+@pytest.mark.slow
+def test_serve_vllm_refuses_what_vllms_cpu_build_cannot_run_in_one_line(vllm_python, tmp_path):
+    """In vLLM's environment: a softmax head size its CPU attention lacks (the tiny config's 16),
+    and a bad port, are refused by `megatron-id serve-vllm` in one line before vLLM starts."""
+    folder = tiny_export(tmp_path / "hybrid16", "hybrid")
+    for args, match in ((["--checkpoint", str(folder)], "head size is 16"),
+                        (["--checkpoint", str(folder), "--port", "70000"], "--port 70000: a port from 1 to 65535")):
+        done = subprocess.run([str(vllm_python), "-m", "megatron_id.cli", "serve-vllm", *args], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (done.returncode, lines)
+
+
 def test_nothing_in_megatron_id_imports_vllm_but_the_plugins_model():
     """An AST scan: `import vllm` / `from vllm...` only in vllm_plugin/model.py and backend.py
     (which only vLLM loads) or inside a function (vllm_plugin.register, run only by vLLM)."""

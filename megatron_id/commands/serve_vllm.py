@@ -40,6 +40,8 @@ def run(args) -> int:
     if values.get("model_type") != "megatron_id" or "model" not in values:
         raise BadOptionError(f"--checkpoint {folder}: config.json has model_type {values.get('model_type')!r}, not "
                              f"a megatron_id export: serve other models with vLLM itself.")
+    if not 0 < args.port <= 65535:
+        raise BadOptionError(f"--port {args.port}: a port from 1 to 65535.")
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     for option in ("--model", "--host", "--port"):
         if any(a == option or a.startswith(option + "=") for a in extra):
@@ -50,10 +52,21 @@ def run(args) -> int:
     except ImportError as e:
         from ..vllm_plugin import MISSING
         raise UserError(MISSING.format(error=e)) from None
+    from vllm.platforms import current_platform
+
     from ..model.spec import model_config_from_values
-    from ..vllm_plugin.limits import vllm_warnings
-    for line in vllm_warnings(model_config_from_values(values["model"])):
-        print(f"megatron-id serve-vllm: note: {line}", file=sys.stderr)
+    from ..vllm_plugin.limits import tokenizer_size, vllm_warnings
+    cfg = model_config_from_values(values["model"])
+    # what the plugin would refuse inside vLLM's worker, after a minute of start and a page of
+    # traceback: refused here in one line
+    why = vllm_warnings(cfg) if current_platform.is_cpu() else []
+    if why:
+        raise BadOptionError(f"--checkpoint {folder}: {why[0]}.")
+    ids = tokenizer_size(folder) if not any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in extra) else None
+    if ids is not None and ids > cfg.vocab_size:
+        raise BadOptionError(f"--checkpoint {folder}: its tokenizer.json has {ids} ids, the model's vocabulary "
+                             f"{cfg.vocab_size}: vLLM would crash on the first id past {cfg.vocab_size - 1}. Give "
+                             f"the tokenizer the model was trained with (-- --tokenizer FOLDER).")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--host", args.host, "--port", str(args.port), *extra]
     print("megatron-id serve-vllm: " + " ".join(command[1:]), file=sys.stderr, flush=True)
