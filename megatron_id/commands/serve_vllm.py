@@ -55,18 +55,17 @@ def run(args) -> int:
     from vllm.platforms import current_platform
 
     from ..model.spec import model_config_from_values
-    from ..vllm_plugin.limits import tokenizer_size, vllm_warnings
+    from ..vllm_plugin.limits import tokenizer_refusal, vllm_warnings
     cfg = model_config_from_values(values["model"])
     # what the plugin would refuse inside vLLM's worker, after a minute of start and a page of
     # traceback: refused here in one line
     why = vllm_warnings(cfg) if current_platform.is_cpu() else []
     if why:
         raise BadOptionError(f"--checkpoint {folder}: {why[0]}.")
-    ids = tokenizer_size(folder) if not any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in extra) else None
-    if ids is not None and ids > cfg.vocab_size:
-        raise BadOptionError(f"--checkpoint {folder}: its tokenizer.json has {ids} ids, the model's vocabulary "
-                             f"{cfg.vocab_size}: vLLM would crash on the first id past {cfg.vocab_size - 1}. Give "
-                             f"the tokenizer the model was trained with (-- --tokenizer FOLDER).")
+    own_tokenizer = any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in extra)
+    why = None if own_tokenizer else tokenizer_refusal(cfg, folder)
+    if why:
+        raise BadOptionError(f"--checkpoint {folder}: {why}, after --.")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--host", args.host, "--port", str(args.port), *extra]
     print("megatron-id serve-vllm: " + " ".join(command[1:]), file=sys.stderr, flush=True)

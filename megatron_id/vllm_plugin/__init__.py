@@ -39,12 +39,3 @@ def register() -> None:
     from .backend import FixedStateModelConfig
     MODELS_CONFIG_MAP[ARCHITECTURE] = FixedStateModelConfig
 
-
-def require_vllm():
-    """The vllm module, or a one-line error that says how to install it."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise SystemExit(MISSING.format(error=e)) from None
-    return vllm
-

@@ -28,13 +28,19 @@ def vllm_warnings(cfg) -> list[str]:
             f"serve can anywhere)"]
 
 
-def tokenizer_size(folder) -> int | None:
-    """How many ids the export's tokenizer.json can produce (None: no such file)."""
+def tokenizer_refusal(cfg, folder) -> str | None:
+    """Why vLLM cannot serve the model with `folder`'s tokenizer.json (None: it can, or there is
+    none): more ids than the model's vocabulary, which vLLM does not check in a prompt."""
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         return None
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    ids = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    if ids <= cfg.vocab_size:
+        return None
+    return (f"{path} has {ids} ids, the model's vocabulary {cfg.vocab_size} (config.json model.vocab_size): vLLM "
+            f"does not check a prompt's ids and would crash on the first id past {cfg.vocab_size - 1}. Serve it "
+            f"with the tokenizer it was trained with (vLLM's --tokenizer)")
 
 
 def check_servable(cfg, vllm_config) -> None:
@@ -49,10 +55,6 @@ def check_servable(cfg, vllm_config) -> None:
     size = attention_head_size(cfg)
     if current_platform.is_cpu() and size is not None and size not in CPU_ATTENTION_HEAD_SIZES:
         raise ValueError(vllm_warnings(cfg)[0].replace("its softmax", "this export's softmax", 1) + ".")
-    model = vllm_config.model_config
-    ids = tokenizer_size(model.tokenizer) if Path(str(model.tokenizer)).is_dir() else None
-    if ids is not None and ids > cfg.vocab_size:
-        raise ValueError(f"{model.tokenizer}/tokenizer.json has {ids} ids, the model's vocabulary {cfg.vocab_size} "
-                         f"(config.json model.vocab_size): vLLM does not check a prompt's ids and would crash on the "
-                         f"first id past {cfg.vocab_size - 1}. Serve it with the tokenizer it was trained with "
-                         f"(--tokenizer).")
+    why = tokenizer_refusal(cfg, str(vllm_config.model_config.tokenizer))
+    if why:
+        raise ValueError(why + ".")

@@ -104,14 +104,14 @@ class FixedStateLayer(MambaBase, nn.Module):
         if m is None:   # vLLM's profiling and warm-up runs: no request, no state
             return self.mixer(x[None])[0]
         decodes = m.num_decode_tokens
-        if m.num_decodes and not m.num_prefills and decodes == x.shape[0]:   # a step of decodes only
+        if m.num_decodes:   # (vLLM gives [decodes, 1 + speculative slots]: the first is the request's)
             slots = m.state_indices_tensor_d
-            return self.decode(x, positions, (slots[:, 0] if slots.dim() == 2 else slots)[:m.num_decodes])
+            slots = (slots[:, 0] if slots.dim() == 2 else slots)[:m.num_decodes]
+        if m.num_decodes and not m.num_prefills and decodes == x.shape[0]:   # a step of decodes only
+            return self.decode(x, positions, slots)
         out = torch.zeros_like(x)   # (tokens past the requests' own, if vLLM pads the step)
         if m.num_decodes:
-            slots = m.state_indices_tensor_d
-            slots = slots[:, 0] if slots.dim() == 2 else slots
-            out[:decodes] = self.decode(x[:decodes], positions[:decodes], slots[:m.num_decodes])
+            out[:decodes] = self.decode(x[:decodes], positions[:decodes], slots)
         if m.num_prefills:
             bounds = (m.query_start_loc_p[:m.num_prefills + 1] + decodes).tolist()
             slots = m.state_indices_tensor_p[:m.num_prefills].tolist()
