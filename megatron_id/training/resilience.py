@@ -38,7 +38,8 @@ from ..errors import check_writable
 from .faults import restart_attempt
 
 KEEP = 2   # newest local saves kept per rank: a kill during the write of one leaves the one before
-NAME = re.compile(r"^megatron-id-local\.(?P<fp>[0-9a-f]{16})\.rank(?P<rank>\d{5})\.step(?P<step>\d{9})\.pt$")
+NAME = re.compile(r"^megatron-id-local\.(?P<fp>[0-9a-f]{16})\.rank(?P<rank>\d{5})\.step(?P<step>\d{9})\.pt"
+                  r"(?P<partial>\.partial\d+)?$")   # (.partialPID: a write a kill cut short)
 
 
 def check_resilience(cfg: Config) -> None:
@@ -97,14 +98,16 @@ class LocalSaves:
     def _path(self, step: int) -> Path:
         return self.folder / f"megatron-id-local.{self.fp}.rank{self.rank:05d}.step{step:09d}.pt"
 
-    def steps(self) -> list[int]:
-        """The steps of this rank's local saves of this run, oldest first."""
-        found = []
+    def _ours(self):
+        """(step, path, partial) of this rank's files of this run, finished or cut short."""
         for path in self.folder.iterdir():
             m = NAME.match(path.name)
             if m and m["fp"] == self.fp and int(m["rank"]) == self.rank:
-                found.append(int(m["step"]))
-        return sorted(found)
+                yield int(m["step"]), path, m["partial"] is not None
+
+    def steps(self) -> list[int]:
+        """The steps of this rank's finished local saves of this run, oldest first."""
+        return sorted(step for step, _, partial in self._ours() if not partial)
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
@@ -130,12 +133,16 @@ class LocalSaves:
         self.saved_step = client.step
         for old in self.steps()[:-KEEP]:
             self._path(old).unlink(missing_ok=True)
+        for _, stale, partial in list(self._ours()):   # an earlier attempt's write that a kill cut short
+            if partial:
+                stale.unlink(missing_ok=True)
         return time.perf_counter() - started
 
     def remove_all(self) -> None:
-        """This rank's files of this run: the run ended, its durable checkpoint supersedes them."""
-        for step in self.steps():
-            self._path(step).unlink(missing_ok=True)
+        """This rank's files of this run: the run ended, its durable checkpoint supersedes them.
+        Partial files too: a rank killed while writing leaves its `.partialPID` behind."""
+        for _, path, _ in list(self._ours()):
+            path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ resume
 
