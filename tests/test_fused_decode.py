@@ -239,3 +239,31 @@ def test_the_kernel_updates_chosen_slots_of_strided_pages_in_place(case):
     with pytest.raises(RuntimeError, match=r"rows\[1\] = 9 is not a slot"):
         fixed_state_between_kernel(y, rope, {**t, "conv_tail": conv, "state": state}, s, decoder.core,
                                    rows=torch.tensor([0, 9, 2]))
+
+
+@pytest.mark.parametrize("state_size", [16, 6])
+@pytest.mark.parametrize("case", ["interdomain", "no query readout (contraction), dual input"])
+def test_the_kernels_float32_path_equals_its_torch_reference(case, state_size):
+    """float32 is the C++ core's vectorised path (AVX2: four modes a register, the tests above are
+    float64): five steps of three slots from random states equal the torch ops' to float32's
+    rounding, outputs and states; M 6 leaves a tail of modes past the last full register."""
+    from megatron_id.model.mixers.decode import fixed_state_step
+    model = tiny([*CASES[case], f"model.state_size={state_size}"], dtype=torch.float32, layers=1)
+    decoder = FusedDecoder(model, slots=3, kernel="cpp")
+    layer = decoder.layers[0]
+    g = torch.Generator().manual_seed(7)
+    for buffer in layer.buffers.values():
+        buffer.copy_(torch.randn(buffer.shape, generator=g))
+    ours = {**layer.tensors}
+    reference = {**layer.tensors, **{k: v.clone() for k, v in layer.buffers.items()}}
+    for step in range(5):
+        x = torch.randn(3, model.cfg.d_model, generator=g)
+        rope = None
+        if layer.static.rotated:
+            angles = torch.tensor([3.0, 11.0, 7.0])[:, None] * decoder.rope_tables[layer.facts.rope].float() + step
+            rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
+        got = fixed_state_step(x, rope, ours, layer.static, decoder.core)
+        want = fixed_state_step(x, rope, reference, layer.static)
+        assert rel(got, want) < 1e-5, (step, rel(got, want))
+        for name in layer.buffers:
+            assert rel(ours[name], reference[name]) < 1e-5, (step, name, rel(ours[name], reference[name]))

@@ -18,6 +18,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace {
@@ -25,16 +28,97 @@ namespace {
 template <typename T>
 inline T silu(T x) { return x / (T(1) + std::exp(-x)); }
 
-// one row of the state: X <- lambda X + bbar z (complex, interleaved), z real
+// The state update X <- lambda X + bbar z of one row (M complex modes, Re and Im side by side), z
+// real, on per-head tables laid out as the row is, so that it is contiguous multiply-adds:
+//     X'[2m] = lr X[2m] - li X[2m+1] + br z,   X'[2m+1] = lr X[2m+1] + li X[2m] + bi z
+//   = lr2[n] X[n] + lis[n] X[n^1] + bb[n] z   with lr2 = (lr, lr), lis = (-li, li), bb = (br, bi).
+// Three forms: the update alone is not needed, each pass also reads the updated row, either into
+// u += q_j row (the key rows) or into a dot with w (the value rows, the contraction readout), so
+// that every row is loaded and stored once per token.
 template <typename T>
-inline void update_row(T* __restrict row, const T* __restrict lr, const T* __restrict li,
-                       const T* __restrict br, const T* __restrict bi, T z, int64_t M) {
+inline void pair_tables(const T* lr, const T* li, const T* br, const T* bi, int64_t M, T* lr2, T* lis, T* bb) {
   for (int64_t m = 0; m < M; ++m) {
-    const T re = row[2 * m], im = row[2 * m + 1];
-    row[2 * m] = lr[m] * re - li[m] * im + br[m] * z;
-    row[2 * m + 1] = li[m] * re + lr[m] * im + bi[m] * z;
+    lr2[2 * m] = lr2[2 * m + 1] = lr[m];
+    lis[2 * m] = -li[m];
+    lis[2 * m + 1] = li[m];
+    bb[2 * m] = br[m];
+    bb[2 * m + 1] = bi[m];
   }
 }
+
+template <typename T>
+inline void update_pair(T* row, int64_t n, const T* lr2, const T* lis, const T* bb, T z) {
+  const T re = row[n], im = row[n + 1];
+  row[n] = lr2[n] * re + lis[n] * im + bb[n] * z;
+  row[n + 1] = lr2[n + 1] * im + lis[n + 1] * re + bb[n + 1] * z;
+}
+
+// key row: update, then u += qj * row
+template <typename T>
+inline void update_accumulate(T* __restrict row, const T* lr2, const T* lis, const T* bb, T z, T qj,
+                              T* __restrict u, int64_t M2) {
+  for (int64_t n = 0; n < M2; n += 2) {
+    update_pair(row, n, lr2, lis, bb, z);
+    u[n] += qj * row[n];
+    u[n + 1] += qj * row[n + 1];
+  }
+}
+
+// value row (or the contraction's): update, then return row . w
+template <typename T>
+inline T update_dot(T* __restrict row, const T* lr2, const T* lis, const T* bb, T z, const T* __restrict w,
+                    int64_t M2) {
+  T acc = 0;
+  for (int64_t n = 0; n < M2; n += 2) {
+    update_pair(row, n, lr2, lis, bb, z);
+    acc += row[n] * w[n] + row[n + 1] * w[n + 1];
+  }
+  return acc;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// float32 with AVX2: 4 modes per register; X[n^1] is an in-lane swap of the pairs. Measured (d 256,
+// M 64, 4 heads, 2 cores, 32 slots): see benchmarks/serve_vllm.py's notes in docs/vllm.md.
+inline __m256 update8(float* row, int64_t n, const float* lr2, const float* lis, const float* bb, __m256 z) {
+  const __m256 x = _mm256_loadu_ps(row + n);
+  __m256 r = _mm256_mul_ps(_mm256_loadu_ps(bb + n), z);
+  r = _mm256_fmadd_ps(_mm256_loadu_ps(lis + n), _mm256_permute_ps(x, 0xB1), r);
+  r = _mm256_fmadd_ps(_mm256_loadu_ps(lr2 + n), x, r);
+  _mm256_storeu_ps(row + n, r);
+  return r;
+}
+
+inline void update_accumulate(float* __restrict row, const float* lr2, const float* lis, const float* bb, float z,
+                              float qj, float* __restrict u, int64_t M2) {
+  const __m256 zz = _mm256_set1_ps(z), q = _mm256_set1_ps(qj);
+  int64_t n = 0;
+  for (; n + 8 <= M2; n += 8) {
+    const __m256 r = update8(row, n, lr2, lis, bb, zz);
+    _mm256_storeu_ps(u + n, _mm256_fmadd_ps(q, r, _mm256_loadu_ps(u + n)));
+  }
+  for (; n < M2; n += 2) {
+    update_pair(row, n, lr2, lis, bb, z);
+    u[n] += qj * row[n];
+    u[n + 1] += qj * row[n + 1];
+  }
+}
+
+inline float update_dot(float* __restrict row, const float* lr2, const float* lis, const float* bb, float z,
+                        const float* __restrict w, int64_t M2) {
+  const __m256 zz = _mm256_set1_ps(z);
+  __m256 acc8 = _mm256_setzero_ps();
+  int64_t n = 0;
+  for (; n + 8 <= M2; n += 8) acc8 = _mm256_fmadd_ps(update8(row, n, lr2, lis, bb, zz), _mm256_loadu_ps(w + n), acc8);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc8);
+  float acc = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; n < M2; n += 2) {
+    update_pair(row, n, lr2, lis, bb, z);
+    acc += row[n] * w[n] + row[n + 1] * w[n + 1];
+  }
+  return acc;
+}
+#endif
 
 template <typename T>
 void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, const at::Tensor& conv_b,
@@ -62,13 +146,16 @@ void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, 
   const T eps = static_cast<T>(norm_eps);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> work(pieces * Dh + 2 * Dh + 2 * M2);
+    std::vector<T> work(pieces * Dh + 2 * Dh + 5 * M2);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H, slot = rowp ? rowp[b] : b;
       T* piece = work.data();              // [pieces, Dh]: this head's convolved projections
       T* z = piece + pieces * Dh;          // [2 Dh]: key, value
       T* u = z + 2 * Dh;                   // [2M]
       T* w = u + M2;                       // [2M]
+      T* lr2 = w + M2;                     // [2M] x 3: this head's update tables (see pair_tables)
+      T* lis = lr2 + M2;
+      T* bb = lis + M2;
       const T* yb = yp + b * Y;
       // the short causal conv of this head's channels (the tail holds the previous K-1 inputs)
       for (int64_t p = 0; p < pieces; ++p) {
@@ -117,19 +204,14 @@ void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, 
         const T r = T(1) / std::sqrt(sq / T(Dh) + eps);
         for (int64_t d = 0; d < Dh; ++d) x[d] = x[d] * r * kn[i * Dh + d] + kb[(i * H + h) * Dh + d];
       }
-      const T *lrh = lr + h * M, *lih = li + h * M, *brh = br + h * M, *bih = bi + h * M;
+      pair_tables(lr + h * M, li + h * M, br + h * M, bi + h * M, M, lr2, lis, bb);
       T* Sh = S + slot * state_stride + h * P * M2;
       T* oh = o + b * H * out_width + h * out_width;
       if (query) {
         // u = q S_k (the updated key rows), w = u G2, o = S_v w (the updated value rows)
         const T* q = piece;
         for (int64_t n = 0; n < M2; ++n) u[n] = 0;
-        for (int64_t j = 0; j < Dh; ++j) {
-          T* row = Sh + j * M2;
-          update_row(row, lrh, lih, brh, bih, z[j], M);
-          const T qj = q[j];
-          for (int64_t n = 0; n < M2; ++n) u[n] += qj * row[n];
-        }
+        for (int64_t j = 0; j < Dh; ++j) update_accumulate(Sh + j * M2, lr2, lis, bb, z[j], q[j], u, M2);
         const T* Gh = G + h * M2 * M2;
         for (int64_t n = 0; n < M2; ++n) w[n] = 0;
         for (int64_t m = 0; m < M2; ++m) {
@@ -137,23 +219,11 @@ void step(const at::Tensor& y, at::Tensor& conv_tail, const at::Tensor& conv_w, 
           const T* g = Gh + m * M2;
           for (int64_t n = 0; n < M2; ++n) w[n] += um * g[n];
         }
-        for (int64_t i = 0; i < out_width; ++i) {
-          T* row = Sh + (Dh + i) * M2;
-          update_row(row, lrh, lih, brh, bih, z[Dh + i], M);
-          T acc = 0;
-          for (int64_t n = 0; n < M2; ++n) acc += row[n] * w[n];
-          oh[i] = acc;
-        }
+        for (int64_t i = 0; i < out_width; ++i) oh[i] = update_dot(Sh + (Dh + i) * M2, lr2, lis, bb, z[Dh + i], w, M2);
       } else {
         // the contraction readout o = Re(e^T X): one dot per updated row
         const T* e = G + h * M2;
-        for (int64_t j = 0; j < P; ++j) {
-          T* row = Sh + j * M2;
-          update_row(row, lrh, lih, brh, bih, z[j], M);
-          T acc = 0;
-          for (int64_t n = 0; n < M2; ++n) acc += row[n] * e[n];
-          oh[j] = acc;
-        }
+        for (int64_t j = 0; j < P; ++j) oh[j] = update_dot(Sh + j * M2, lr2, lis, bb, z[j], e, M2);
       }
       if (gate) {
         const T* g = yb + Y - H * out_width + h * out_width;
