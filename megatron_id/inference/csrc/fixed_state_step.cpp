@@ -77,8 +77,10 @@ inline T update_dot(T* __restrict row, const T* lr2, const T* lis, const T* bb, 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// float32 with AVX2: 4 modes per register; X[n^1] is an in-lane swap of the pairs. Measured (d 256,
-// M 64, 4 heads, 2 cores, 32 slots): see benchmarks/serve_vllm.py's notes in docs/vllm.md.
+// float32 with AVX2: 4 modes per register; X[n^1] is an in-lane swap of the pairs. Measured on this
+// project's 2-core CPU (d 256, M 64, 4 heads: a 256 KB state per slot; one layer's call, 32 slots):
+// 1.61 -> 0.72 ms on 1 thread, 0.86 -> 0.34 ms on 2, against GCC's own vectorisation of the loop
+// over modes with lambda and bbar read per mode (docs/vllm.md).
 inline __m256 update8(float* row, int64_t n, const float* lr2, const float* lis, const float* bb, __m256 z) {
   const __m256 x = _mm256_loadu_ps(row + n);
   __m256 r = _mm256_mul_ps(_mm256_loadu_ps(bb + n), z);
