@@ -4,6 +4,8 @@ Llama of the same width and depth (the attention baseline), in one run (issue 54
     python benchmarks/serve_vllm.py                  # ~6 minutes on 2 cores (a first run also
                                                      # installs vLLM's CPU build: tests/vllm_env.py)
     python benchmarks/serve_vllm.py --streams 8 --tokens 64
+    python benchmarks/serve_vllm.py --streams 8 32 --prompt-tokens 768   # a long context: prompts of
+                                                     # 768 tokens, no two sharing a prefix
 
 Models (random weights, GPT-2 vocabulary): benchmarks/generation.py's interdomain model (d 256,
 4 heads, 4 layers, M 64), exported; and a LlamaForCausalLM of d 256, 4 heads, 4 layers and the
@@ -98,16 +100,26 @@ async def stream(session, url: str, body: dict, marks: list) -> None:
                 marks.append(time.monotonic())
 
 
-async def load(url: str, model: str, streams: int, tokens: int, vllm: bool) -> dict:
+def long_prompt(stream: int, tokens: int) -> str:
+    """About `tokens` GPT-2 tokens of text, opened by the stream's number: the streams share no
+    prefix (vLLM's prefix caching would otherwise read one prompt for all of them)."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(ROOT / "tests/data/gpt2-tokenizer.json"))
+    text = f"Stream {stream}. " + " ".join([PROMPT + " between the oceans, the air and the land."] * (tokens // 8 + 1))
+    return tokenizer.decode(tokenizer.encode(text).ids[:tokens])
+
+
+async def load(url: str, model: str, streams: int, tokens: int, vllm: bool, prompt_tokens: int = 0) -> dict:
     import aiohttp
     body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
     if vllm:
         body["ignore_eos"] = True   # (megatron-id serve has no such field; a random model rarely ends early)
+    prompts = [long_prompt(i, prompt_tokens) if prompt_tokens else PROMPT for i in range(streams + 1)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await stream(session, url, {**body, "max_tokens": 4}, [])   # warm-up
+        await stream(session, url, {**body, "prompt": prompts[-1], "max_tokens": 4}, [])   # warm-up
         marks = [[] for _ in range(streams)]
         start = time.monotonic()
-        await asyncio.gather(*(stream(session, url, body, marks[i]) for i in range(streams)))
+        await asyncio.gather(*(stream(session, url, {**body, "prompt": prompts[i]}, marks[i]) for i in range(streams)))
     gaps = [b - a for m in marks for a, b in zip(m, m[1:])]
     count = sum(len(m) for m in marks)
     return {"tokens_per_s": count / (max(m[-1] for m in marks) - start), "p50": statistics.median(gaps),
@@ -118,11 +130,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--tokens", type=int, default=128, help="tokens each stream generates (default 128)")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="each stream's prompt this many tokens long, no two sharing a prefix (default: a "
+                        "short prompt, the same for all; at most 1024 - --tokens)")
     p.add_argument("--vllm-python", default=None,
                    help="the python of a venv with vLLM and this checkout (default: tests/vllm_env.py's cached one)")
     args = p.parse_args(argv)
     if min(args.streams) < 1 or args.tokens < 2:
         raise SystemExit("serve_vllm: error: --streams at least 1, --tokens at least 2")
+    if args.prompt_tokens < 0 or args.prompt_tokens + args.tokens > 1024:
+        raise SystemExit(f"serve_vllm: error: --prompt-tokens {args.prompt_tokens} with --tokens {args.tokens}: "
+                         f"the two together at most 1024 (the servers' --max-model-len)")
     if args.vllm_python is None:
         from vllm_env import vllm_python
         args.vllm_python = str(vllm_python())
@@ -151,12 +169,13 @@ def main(argv=None) -> int:
             server = Server(command, env, tmp / f"{len(rows)}.log")
             try:
                 for n in args.streams:
-                    rows[(name, n)] = asyncio.run(load(server.url, "m", n, args.tokens, is_vllm))
+                    rows[(name, n)] = asyncio.run(load(server.url, "m", n, args.tokens, is_vllm, args.prompt_tokens))
                     print(f"  {name}, {n} stream(s): {rows[(name, n)]}", file=sys.stderr, flush=True)
             finally:
                 server.stop()
-    print(f"\n## Serving d 256 x 4 layers (random weights, float32), {args.tokens} tokens per stream, greedy: "
-          f"tokens/s (inter-token p50 / p99)\n")
+    prompts = f"prompts of {args.prompt_tokens} tokens" if args.prompt_tokens else "a short prompt"
+    print(f"\n## Serving d 256 x 4 layers (random weights, float32), {prompts}, {args.tokens} tokens per stream, "
+          f"greedy: tokens/s (inter-token p50 / p99)\n")
     print("| streams | " + " | ".join(dict.fromkeys(name for name, _ in rows)) + " | plugin / Llama tokens/s |")
     print("|---|" + "---|" * (len(servers) + 1))
     for n in args.streams:

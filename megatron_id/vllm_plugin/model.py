@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
