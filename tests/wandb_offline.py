@@ -31,8 +31,20 @@ def _records(data: bytes):
             pending = b""
 
 
-def read_offline_run(folder) -> tuple[str, str, list[dict]]:
-    """(run id, project, history rows {key: value}) of one offline-run-* folder."""
+def read_offline_run(folder, min_rows: int = 0, timeout: float = 30.0) -> tuple[str, str, list[dict]]:
+    """(run id, project, history rows {key: value}) of one offline-run-* folder. With min_rows:
+    read again until it holds that many rows, for up to `timeout` seconds (a CI run under load once
+    read the file before wandb's service had written the row that run.finish() had been given)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _read_offline_run(folder)
+        if len(found[2]) >= min_rows or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def _read_offline_run(folder) -> tuple[str, str, list[dict]]:
     from wandb.proto import wandb_internal_pb2
     (path,) = Path(folder).glob("run-*.wandb")
     run_id = project = None
