@@ -29,9 +29,12 @@ def test_prompts_from_a_pipe_are_read(tmp_path):
     try:
         assert read_prompts(str(fifo)) == ["The water cycle", "Rivers"]
     finally:
-        if writer.is_alive():   # (read_prompts refused it: open the pipe so that the writer ends)
-            open(fifo).close()
-        writer.join(timeout=10)
+        writer.join(timeout=5)
+        if writer.is_alive():   # (read_prompts refused it: a reader that never blocks lets the writer's open end)
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            writer.join(timeout=10)
+        # (a blocking open() here hung CI for 15 minutes: the writer had written and closed, but its
+        # thread had not yet ended when is_alive() was asked, and no writer came for that reader)
 
 
 @pytest.mark.parametrize("args, mention", [
