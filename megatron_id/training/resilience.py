@@ -131,9 +131,11 @@ class LocalSaves:
         finally:
             partial.unlink(missing_ok=True)
         self.saved_step = client.step
-        for old in self.steps()[:-KEEP]:
-            self._path(old).unlink(missing_ok=True)
-        for _, stale, partial in list(self._ours()):   # an earlier attempt's write that a kill cut short
+        files = list(self._ours())
+        finished = sorted((step, file) for step, file, partial in files if not partial)
+        for _, file in finished[:-KEEP]:
+            file.unlink(missing_ok=True)
+        for _, stale, partial in files:   # an earlier attempt's write that a kill cut short
             if partial:
                 stale.unlink(missing_ok=True)
         return time.perf_counter() - started

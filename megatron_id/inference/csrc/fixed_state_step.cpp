@@ -98,11 +98,7 @@ inline void update_accumulate(float* __restrict row, const float* lr2, const flo
     const __m256 r = update8(row, n, lr2, lis, bb, zz);
     _mm256_storeu_ps(u + n, _mm256_fmadd_ps(q, r, _mm256_loadu_ps(u + n)));
   }
-  for (; n < M2; n += 2) {
-    update_pair(row, n, lr2, lis, bb, z);
-    u[n] += qj * row[n];
-    u[n + 1] += qj * row[n + 1];
-  }
+  if (n < M2) update_accumulate<float>(row + n, lr2 + n, lis + n, bb + n, z, qj, u + n, M2 - n);   // the tail
 }
 
 inline float update_dot(float* __restrict row, const float* lr2, const float* lis, const float* bb, float z,
@@ -113,12 +109,8 @@ inline float update_dot(float* __restrict row, const float* lr2, const float* li
   for (; n + 8 <= M2; n += 8) acc8 = _mm256_fmadd_ps(update8(row, n, lr2, lis, bb, zz), _mm256_loadu_ps(w + n), acc8);
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, acc8);
-  float acc = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  for (; n < M2; n += 2) {
-    update_pair(row, n, lr2, lis, bb, z);
-    acc += row[n] * w[n] + row[n + 1] * w[n + 1];
-  }
-  return acc;
+  const float acc = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return n < M2 ? acc + update_dot<float>(row + n, lr2 + n, lis + n, bb + n, z, w + n, M2 - n) : acc;   // the tail
 }
 #endif
 
