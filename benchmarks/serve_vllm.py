@@ -138,7 +138,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if min(args.streams) < 1 or args.tokens < 2:
         raise SystemExit("serve_vllm: error: --streams at least 1, --tokens at least 2")
-    if args.prompt_tokens < 0 or args.prompt_tokens + args.tokens > 1024:
+    if args.prompt_tokens < 0:
+        raise SystemExit(f"serve_vllm: error: --prompt-tokens {args.prompt_tokens}: at least 0 (0: a short prompt)")
+    if args.prompt_tokens + args.tokens > 1024:
         raise SystemExit(f"serve_vllm: error: --prompt-tokens {args.prompt_tokens} with --tokens {args.tokens}: "
                          f"the two together at most 1024 (the servers' --max-model-len)")
     if args.vllm_python is None:
