@@ -1,7 +1,7 @@
 """Serving throughput and pace: vLLM with megatron_id's plugin, `megatron-id serve`, and vLLM serving a
 Llama of the same width and depth (the attention baseline), in one run (issue 54).
 
-    python benchmarks/serve_vllm.py                  # ~6 minutes on 2 cores (a first run also
+    python benchmarks/serve_vllm.py                  # ~5 minutes on 2 cores (a first run also
                                                      # installs vLLM's CPU build: tests/vllm_env.py)
     python benchmarks/serve_vllm.py --streams 8 --tokens 64
     python benchmarks/serve_vllm.py --streams 8 32 --prompt-tokens 768   # a long context: prompts of
@@ -9,16 +9,23 @@ Llama of the same width and depth (the attention baseline), in one run (issue 54
 
 Models (random weights, GPT-2 vocabulary): benchmarks/generation.py's interdomain model (d 256,
 4 heads, 4 layers, M 64), exported; and a LlamaForCausalLM of d 256, 4 heads, 4 layers and the
-same SwiGLU width, saved by transformers. Each server runs alone on 127.0.0.1 in float32; N
-clients stream greedy completions of a short prompt, --tokens each, at once. Per N: tokens/s
-(all tokens over the wall time from the first request to the last token) and the streams'
-inter-token gaps, p50 and p99. The claim (issue 54): our model in vLLM at least as fast per
-token as the same-size Llama in vLLM from 8 streams on.
+same SwiGLU width, saved by transformers. The three servers run on 127.0.0.1 in float32, started
+one after another and then left up (an idle server takes no CPU); N clients stream greedy
+completions of a short prompt, --tokens each, at once, against one server at a time. Per N:
+tokens/s (all tokens over the wall time from the first request to the last token) and the
+streams' inter-token gaps, p50 and p99.
+
+This machine's speed drifts by 10-20% over minutes, more than the differences measured: each
+of --rounds rounds loads every server once per N, in an order that turns each round, and the
+plugin / Llama ratio is taken within a round (the two measured seconds apart), then its median
+over the rounds (and its range) is reported, with the median of each cell. The claim (issue 54):
+our model in vLLM at least as fast per token as the same-size Llama in vLLM from 8 streams on.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -133,11 +140,15 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=0,
                    help="each stream's prompt this many tokens long, no two sharing a prefix (default: a "
                         "short prompt, the same for all; at most 1024 - --tokens)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of measurements, each server once per N a round (default 5; the ratio's median "
+                        "and range over them)")
     p.add_argument("--vllm-python", default=None,
                    help="the python of a venv with vLLM and this checkout (default: tests/vllm_env.py's cached one)")
     args = p.parse_args(argv)
-    if min(args.streams) < 1 or args.tokens < 2:
-        raise SystemExit("serve_vllm: error: --streams at least 1, --tokens at least 2")
+    if min(args.streams) < 1 or args.tokens < 2 or args.rounds < 1:
+        raise SystemExit(f"serve_vllm: error: --streams {args.streams}, --tokens {args.tokens}, --rounds "
+                         f"{args.rounds}: --streams and --rounds at least 1, --tokens at least 2")
     if args.prompt_tokens < 0:
         raise SystemExit(f"serve_vllm: error: --prompt-tokens {args.prompt_tokens}: at least 0 (0: a short prompt)")
     if args.prompt_tokens + args.tokens > 1024:
@@ -154,39 +165,49 @@ def main(argv=None) -> int:
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                 "--served-model-name", "m", "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024",
                 "--max-num-seqs", str(slots), "--seed", "0"]
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    names = ["vLLM + plugin, interdomain", "megatron-id serve, interdomain", "vLLM, Llama (softmax)"]
+    runs = {(name, n): [] for name in names for n in args.streams}   # one result a round
+    ratios = {n: [] for n in args.streams}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as up:
         tmp = Path(tmp)
         ours = export_random("interdomain", tmp / "interdomain")
         llama = llama_like(tmp / "llama")
-        servers = {
-            "vLLM + plugin, interdomain": (vllm(ours), vllm_env, True),
-            "megatron-id serve, interdomain": ([sys.executable, "-m", "megatron_id.cli", "serve", "--checkpoint",
-                                                str(ours), "--slots", str(slots), "--max-model-len", "1024",
-                                                "--max-pending", str(4 * slots), "--served-model-name", "m"],
-                                               {**os.environ, "PYTHONPATH": str(ROOT)}, False),
-            "vLLM, Llama (softmax)": (vllm(llama), vllm_env, True),
+        commands = {
+            names[0]: (vllm(ours), vllm_env, True),
+            names[1]: ([sys.executable, "-m", "megatron_id.cli", "serve", "--checkpoint", str(ours), "--slots",
+                        str(slots), "--max-model-len", "1024", "--max-pending", str(4 * slots),
+                        "--served-model-name", "m"], {**os.environ, "PYTHONPATH": str(ROOT)}, False),
+            names[2]: (vllm(llama), vllm_env, True),
         }
-        for name, (command, env, is_vllm) in servers.items():
-            server = Server(command, env, tmp / f"{len(rows)}.log")
-            try:
-                for n in args.streams:
-                    rows[(name, n)] = asyncio.run(load(server.url, "m", n, args.tokens, is_vllm, args.prompt_tokens))
-                    print(f"  {name}, {n} stream(s): {rows[(name, n)]}", file=sys.stderr, flush=True)
-            finally:
-                server.stop()
+        servers = {}
+        for i, (name, (command, env, is_vllm)) in enumerate(commands.items()):
+            servers[name] = (Server(command, env, tmp / f"{i}.log"), is_vllm)
+            up.callback(servers[name][0].stop)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]   # each server first in turn
+            for n in args.streams:
+                for name in order:
+                    server, is_vllm = servers[name]
+                    result = asyncio.run(load(server.url, "m", n, args.tokens, is_vllm, args.prompt_tokens))
+                    runs[(name, n)].append(result)
+                    print(f"  round {r + 1}, {name}, {n} stream(s): {result}", file=sys.stderr, flush=True)
+                ratios[n].append(runs[(names[0], n)][-1]["tokens_per_s"] / runs[(names[2], n)][-1]["tokens_per_s"])
     prompts = f"prompts of {args.prompt_tokens} tokens" if args.prompt_tokens else "a short prompt"
     print(f"\n## Serving d 256 x 4 layers (random weights, float32), {prompts}, {args.tokens} tokens per stream, "
-          f"greedy: tokens/s (inter-token p50 / p99)\n")
-    print("| streams | " + " | ".join(dict.fromkeys(name for name, _ in rows)) + " | plugin / Llama tokens/s |")
-    print("|---|" + "---|" * (len(servers) + 1))
+          f"greedy; medians of {args.rounds} rounds: tokens/s (inter-token p50 / p99)\n")
+    print("| streams | " + " | ".join(names) + " | plugin / Llama tokens/s, median (range) |")
+    print("|---|" + "---|" * (len(names) + 1))
     for n in args.streams:
-        cells = [f"{r['tokens_per_s']:.0f} ({r['p50'] * 1000:.1f} / {r['p99'] * 1000:.1f} ms)"
-                 for (name, m), r in rows.items() if m == n]
-        ours, llama = rows[("vLLM + plugin, interdomain", n)], rows[("vLLM, Llama (softmax)", n)]
-        ratio = ours["tokens_per_s"] / llama["tokens_per_s"]
-        print(f"| {n} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
-    print("\n" + json.dumps({f"{name} @ {n}": r for (name, n), r in rows.items()}))
+        cells = []
+        for name in names:
+            rounds = runs[(name, n)]
+            cells.append(f"{statistics.median(x['tokens_per_s'] for x in rounds):.0f} "
+                         f"({statistics.median(x['p50'] for x in rounds) * 1000:.1f} / "
+                         f"{statistics.median(x['p99'] for x in rounds) * 1000:.1f} ms)")
+        print(f"| {n} | " + " | ".join(cells) + f" | {statistics.median(ratios[n]):.2f}x "
+              f"({min(ratios[n]):.2f}-{max(ratios[n]):.2f}) |")
+    print("\n" + json.dumps({"rounds": {f"{name} @ {n}": r for (name, n), r in runs.items()},
+                             "plugin / Llama": {str(n): r for n, r in ratios.items()}}))
     return 0
 
 
