@@ -1,0 +1,355 @@
+"""The HTTP side of `megatron-id serve` (inference/server.py): OpenAI's API over the engine, one
+method per endpoint of `OpenAIApp`, which holds what they share (the engine, the tokenizer, the
+limits, the requests per client, whether the server drains). Access control is the `guard`
+middleware in front of every endpoint. Requests are checked in api.py before any work."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import sys
+import time
+import uuid
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from ..errors import BadOptionError
+from .api import (
+    BadRequest,
+    ChatTemplate,
+    StopText,
+    check_content_type,
+    check_prompt_bytes,
+    decode_body,
+    longest_token_bytes,
+    parse_chat,
+    parse_completion,
+    to_request,
+)
+
+# what a request gets once the engine has stopped (status, message, code)
+ENGINE_FAILED = (503, "the engine stopped after a failure and the server is exiting; retry once it is restarted",
+                 "engine_failed")
+DRAIN = web.AppKey("drain", object)   # the app's drain coroutine (SIGTERM, the engine stopping)
+
+
+class Busy(Exception):
+    pass
+
+
+def error_body(message: str, param=None, kind="invalid_request_error", code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param=None, kind="invalid_request_error", headers=None,
+                   code=None):
+    return web.json_response(error_body(message, param, kind, code), status=status, headers=headers)
+
+
+def engine_failed():
+    status, message, code = ENGINE_FAILED
+    return error_response(status, message, kind="server_error", code=code)
+
+
+def release_memory() -> None:
+    """Give freed heap back to the system after a large request (glibc keeps it otherwise: a
+    refused 4 MiB prompt left ~400 MiB of resident memory)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to do
+        pass
+
+
+class OpenAIApp:
+    """The endpoints: POST /v1/completions and /v1/chat/completions (chat_template: the
+    tokenizer's, api.ChatTemplate; without one chat answers 400 saying so), GET /v1/models and
+    /health; `drain` runs at shutdown. `app()` is the aiohttp application."""
+
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, limits,
+                 chat_template: ChatTemplate | None = None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_model_len, self.limits, self.chat_template = max_model_len, limits, chat_template
+        self.draining = False
+        self.per_client = collections.Counter()   # remote address -> requests pending
+        self.bytes_per_token = longest_token_bytes(tokenizer)
+        self.created = int(time.time())   # (GET /v1/models: when this server started serving the model)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.limits.max_body_size, middlewares=[self.guard])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.on_shutdown.append(self.drain)
+        app[DRAIN] = self.drain
+        return app
+
+    # ------------------------------------------------------------ access control, errors
+
+    @web.middleware
+    async def guard(self, http, handler):
+        """Access control on every endpoint but /health, and JSON errors for everything (aiohttp's
+        own 404, 405, 413 included), without internals."""
+        limits = self.limits
+        if http.path != "/health":
+            refusal = self.refusal(http)
+            if refusal is not None:
+                return refusal
+        try:
+            return await handler(http)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            if isinstance(e, web.HTTPRequestEntityTooLarge):
+                message = (f"the body is over {limits.max_body_size:,} bytes (serve --max-body-size): send a "
+                           f"shorter prompt")
+            else:
+                message = f"{e.reason}: {http.method} {http.path}"
+            return error_response(e.status, message, kind="invalid_request_error")
+        except asyncio.CancelledError:
+            raise
+        except ConnectionError:   # the client went away while its body was read: nobody to answer or to log
+            return web.Response(status=499)   # (nginx's "client closed request", for the access log)
+        except Exception as e:   # a bug of ours: the log has it, the client a reference
+            ident = uuid.uuid4().hex[:12]
+            print(f"megatron-id serve: error {ident} in {http.method} {http.path}: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return error_response(500, f"internal error {ident} (the server's log has the cause)",
+                                  kind="server_error")
+
+    def refusal(self, http):
+        """The 403 or 401 of a request from a name or origin not allowed, or without the API key;
+        None when it may go on."""
+        names = self.limits.allowed_hosts
+        if names is not None:
+            host = urlsplit("//" + http.host).hostname if http.host else None
+            if host is not None and host not in names:
+                return error_response(403, f"Host {http.host!r} is not this server's name (it answers "
+                                           f"{', '.join(sorted(names))}; add names with --allowed-host)",
+                                      code="host_not_allowed")
+            origin = http.headers.get("Origin")
+            if origin is not None and urlsplit(origin).hostname not in names:
+                return error_response(403, f"Origin {origin!r}: requests from web pages of other sites are "
+                                           f"refused (add the name with --allowed-host)",
+                                      code="origin_not_allowed")
+        if self.limits.api_key is not None:
+            # the scheme in any case ("bearer KEY" from curl users: RFC 7235 makes it case-blind)
+            scheme, _, token = http.headers.get("Authorization", "").partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else ""
+            if not hmac.compare_digest(token.encode(), self.limits.api_key.encode()):
+                return error_response(401, "a valid API key is needed: send 'Authorization: Bearer KEY' "
+                                           "(the openai client's api_key)", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    async def read_body(self, http):
+        check_content_type(http.content_type, http.charset)
+        # (not asyncio.wait_for: before Python 3.12 it can swallow the handler's cancellation when
+        # the read completes at the same moment, and a client gone would keep its request)
+        reading = asyncio.ensure_future(http.read())
+        try:
+            done, _ = await asyncio.wait({reading}, timeout=self.limits.read_timeout)
+        except asyncio.CancelledError:
+            reading.cancel()
+            raise
+        if not done:
+            reading.cancel()
+            raise BadRequest(f"the body did not arrive within {self.limits.read_timeout:g} s (serve --read-timeout)",
+                             status=408)
+        raw = reading.result()
+        return decode_body(raw), len(raw)
+
+    # ------------------------------------------------------------ completions
+
+    async def completions(self, http):
+        return await self.complete(http, chat=False)
+
+    async def chat_completions(self, http):
+        return await self.complete(http, chat=True)
+
+    async def complete(self, http, chat: bool):
+        """A request checked, tokenized and queued, then answered (`answer`)."""
+        engine = self.engine
+        if self.draining:
+            return error_response(503, "the server is shutting down", kind="server_error")
+        if engine.failure is not None:
+            return engine_failed()
+        size = 0
+        try:
+            body, size = await self.read_body(http)
+            asked = body.get("model") if isinstance(body, dict) else None
+            if asked is not None and asked != self.model_name:   # as OpenAI-style servers do: never another model
+                return error_response(404, f"The model `{asked}` does not exist: this server serves "
+                                           f"`{self.model_name}` (GET /v1/models; megatron-id serve "
+                                           f"--served-model-name)", "model", code="model_not_found")
+            settings, prompt = (parse_chat(body, self.max_model_len, self.chat_template) if chat else
+                                parse_completion(body, self.max_model_len))
+            check_prompt_bytes(prompt, settings, self.max_model_len, self.bytes_per_token)
+            ids = (await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)).ids
+            request = to_request(ids, settings, self.max_model_len)
+            client = http.remote or "?"
+            limit = self.limits.max_pending_per_client
+            if limit is not None and self.per_client[client] >= limit:
+                return error_response(429, f"{self.per_client[client]} requests of this client are already queued "
+                                           f"or running (serve --max-pending-per-client): retry later",
+                                      kind="rate_limit_error", headers={"Retry-After": "1"})
+            ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            request.name = ident
+            ticket, out = engine.submit(request, asyncio.get_running_loop())
+        except BadRequest as e:
+            return error_response(e.status, str(e), e.param)
+        except BadOptionError as e:
+            return error_response(400, str(e))
+        except Busy:
+            if engine.failure is not None:
+                return engine_failed()
+            return error_response(503, f"{engine.max_pending} requests are already queued or running: "
+                                       f"retry later", kind="server_error", headers={"Retry-After": "1"})
+        finally:
+            if size > 2**20:
+                release_memory()
+        self.per_client[client] += 1
+        try:
+            return await self.answer(http, ident, request, settings, ticket, out, chat)
+        finally:
+            self.per_client[client] -= 1
+            if not self.per_client[client]:
+                del self.per_client[client]
+
+    async def answer(self, http, ident, request, settings, ticket, out, chat: bool):
+        """The request's tokens as they come from the engine: one JSON answer, or server-sent
+        events as OpenAI streams them."""
+        engine, tokenizer, limits = self.engine, self.tokenizer, self.limits
+        kind = ("chat.completion.chunk" if settings["stream"] else "chat.completion") if chat else "text_completion"
+        chunk = {"id": ident, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+        def choice(text: str, finish, first: bool = False) -> dict:
+            """OpenAI's choice: text for completions; for chat a message, or in a stream a delta
+            (the role in the first, the content in each, empty with the finish_reason at the end)."""
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            if not settings["stream"]:
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": finish}
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        stream = settings["stream"]
+        tokens, sent, finish, failure = [], "", None, None
+        text = StopText(settings["stop"])
+        # the deadline arrives as an item of the queue: a plain `await out.get()` is cancelled
+        # cleanly when the client goes away (asyncio.wait_for around it could swallow that while
+        # tokens arrive every millisecond, and the sequence ran on to max_tokens)
+        timer = (asyncio.get_running_loop().call_later(limits.request_timeout, out.put_nowait, (None, "timeout"))
+                 if limits.request_timeout else None)
+        response = None
+
+        async def send(data: dict) -> None:
+            await response.write(f"data: {json.dumps(data)}\n\n".encode())
+
+        try:
+            if stream:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(http)
+                if chat:   # OpenAI's first chunk: the role, no content yet
+                    await send({**chunk, "choices": [choice("", None, first=True)]})
+            while finish is None:
+                token, finish = await out.get()
+                if finish == "timeout":
+                    ticket["cancelled"] = True
+                    failure = (504, f"the request ran past {limits.request_timeout:g} s (serve --request-timeout) "
+                                    f"after {len(tokens)} tokens", "timeout")
+                    break
+                if finish == "error":
+                    ticket["cancelled"] = True
+                    failure = (ENGINE_FAILED if engine.failure is not None else
+                               (500, f"the model failed while generating request {ident} (the server's log has the "
+                                     f"cause); other requests are unaffected: retry", "generation_failed"))
+                    break
+                if token is not None and token != request.eos_id:
+                    tokens.append(token)
+                if not stream and not settings["stop"] and finish is None:
+                    continue   # (the whole text is decoded once, at the end)
+                text.update(tokenizer.decode(tokens))
+                if text.stopped:
+                    ticket["cancelled"] = True   # the engine frees its slot at the next step
+                    finish = "stop"
+                if stream:
+                    if finish is None and text.text.endswith("\ufffd"):
+                        continue   # the rest of a multi-byte character is coming
+                    ready = text.ready(final=finish is not None)
+                    delta, sent = ready[len(sent):], ready
+                    if delta or finish is not None:
+                        await send({**chunk, "choices": [choice(delta, finish)]})
+            if failure is not None:
+                status, message, code = failure
+                if not stream:
+                    return error_response(status, message, kind="server_error", code=code)
+                await send(error_body(message, kind="server_error", code=code))   # as vLLM streams an error
+                await response.write_eof()
+                return response
+            usage = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
+                     "total_tokens": len(request.prompt) + len(tokens)}
+            if stream:
+                if settings["include_usage"]:   # OpenAI's last chunk: no choices, the usage
+                    await send({**chunk, "choices": [], "usage": usage})
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+        except asyncio.CancelledError:   # the client went away (aiohttp's handler cancellation)
+            ticket["cancelled"] = True   # the engine cancels its sequence at the next step
+            raise
+        except ConnectionError:
+            # The client went away and a write found its connection closing before aiohttp's
+            # cancellation reached this handler (a token arrived in the same turn of the event loop
+            # as the hang-up). Raised, aiohttp logs it as an unhandled error with a 25-line
+            # traceback; the sequence is cancelled and the response handed back as it stands
+            # (aiohttp's own write of its end then fails quietly).
+            ticket["cancelled"] = True
+            return response if response is not None else web.Response(status=499)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return web.json_response({**chunk, "choices": [choice(text.ready(final=True), finish)], "usage": usage})
+
+    # ------------------------------------------------------------ the rest
+
+    async def models(self, http):
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                               "created": self.created,
+                                                               "owned_by": "megatron-id"}]})
+
+    async def health(self, http):
+        engine = self.engine
+        if engine.failure is not None:
+            return web.json_response({"status": "failed", "error": "the engine stopped; the server is exiting"},
+                                     status=503)
+        return web.json_response({"status": "draining" if self.draining else "ok", "pending": engine.busy(),
+                                  "finished": dict(engine.finished)})
+
+    async def drain(self, app=None):
+        """Refuse new work (503, still listening), let the rest finish, cancel what outlasts the timeout."""
+        engine = self.engine
+        self.draining = True
+        deadline = time.monotonic() + self.limits.drain_timeout
+        left = engine.busy()
+        if left:
+            print(f"megatron-id serve: draining {left} request(s) (up to {self.limits.drain_timeout:g} s)",
+                  file=sys.stderr, flush=True)
+        while engine.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.busy():
+            print(f"megatron-id serve: cancelling {engine.busy()} request(s) still running", file=sys.stderr,
+                  flush=True)
+            engine.cancel_all()
+            while engine.busy() and engine.failure is None:
+                await asyncio.sleep(0.05)
+
+
+def build_app(engine, tokenizer, model_name: str, max_model_len: int, limits,
+              chat_template: ChatTemplate | None = None) -> web.Application:
+    """The aiohttp app of OpenAIApp's endpoints."""
+    return OpenAIApp(engine, tokenizer, model_name, max_model_len, limits, chat_template).app()
