@@ -78,11 +78,12 @@ def main() -> int:
               f"{moved / machine / 1e9:.1f} |", flush=True)
     d = model.cfg.d_model
     kv_bytes = 2 * d * 4   # a token's key and value, float32, a layer
-    print(f"\nA slot's state: {state_bytes // 1024} KB a layer, read and written each token ({2 * state_bytes // 1024} KB "
-          f"moved). A softmax layer of the same width reads {kv_bytes // 1024} KB a token of context: it moves as many "
-          f"bytes a token at a context of {2 * state_bytes // kv_bytes} tokens. Below that, on a machine whose decode "
-          f"is bound by memory, attention decodes faster; above it, the fixed state does "
-          f"(serve_vllm.py --prompt-tokens 768: the plugin's inter-token p50 1.45x shorter).")
+    print(f"\nA slot's state: {state_bytes // 1024} KB a layer, read and written each token "
+          f"({2 * state_bytes // 1024} KB moved). A softmax layer of the same width reads {kv_bytes // 1024} KB "
+          f"a token of context: it moves as many bytes a token at a context of {2 * state_bytes // kv_bytes} "
+          f"tokens. Below that, on a machine whose decode is bound by memory, attention decodes faster; above "
+          f"it, the fixed state does (serve_vllm.py --prompt-tokens 768: the plugin's inter-token p50 1.45x "
+          f"shorter).")
     return 0
 
 

@@ -178,9 +178,9 @@ def test_bad_requests_get_400_a_burst_gets_503_and_sigterm_drains(export):
                 ({"prompt": "Hi", "max_tokens": 100}, 400,
                  "max_tokens 100 after the prompt's 1 token makes 101 tokens, over this server's --max-model-len"),
                 ({"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens=-1 is out of range"),
-                ({"prompt": ["a", "b"]}, 400, "prompt must be a string"),
+                ({"prompt": ["a", 7]}, 400, "prompt[1] must be a string or a non-empty list of token ids"),
                 ({"prompt": "Hi", "temperature": 3}, 400, "temperature=3 is out of range"),
-                ({"prompt": "Hi", "n": 2}, 400, "n=2 is not supported"),
+                ({"prompt": "Hi", "n": 0}, 400, "n=0 is out of range"),
                 ({"prompt": "Hi", "frobnicate": 1}, 400, "unknown field(s) frobnicate"),
                 ({"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options takes only"),
                 ({"prompt": ""}, 400, "prompt gives no tokens")]:

@@ -417,13 +417,13 @@ def test_a_signal_drains_while_still_listening_new_requests_get_503_and_a_second
             if stopped:
                 break
             await asyncio.sleep(0.02)
-        on_signal()   # a second signal: stop now
+        on_signal()   # a second signal: stop now (the server is stopping already: not a second time)
         return code, reply, health, refused_at, text, finished, stopped
     code, reply, health, refused_at, text, finished, stopped = serve(trained, body, step_seconds=0.02)
     assert code == 503 and "shutting down" in reply["error"]["message"] and health["status"] == "draining"
     assert refused_at < finished, "the canary had finished before the new request was refused"
     assert text == want, "the running stream was not let finish whole"
-    assert stopped == [0, 0], "the server was stopped before its requests were done"
+    assert stopped == [0], "the server was stopped before its requests were done, or twice"
 
 
 def test_the_app_keeps_its_drain_under_a_typed_key(trained):

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
                     help="prompt + max_tokens of one request (default: the model's seq_length); softmax layers "
                          "keep a KV cache this long per slot")
     sv.add_argument("--max-pending", type=int, default=None,
-                    help="requests queued or running before new ones get 503 (default 4 x --slots)")
+                    help="requests queued or running before new ones get 503 with Retry-After (default 1024, "
+                         "or 4 x --slots if more): those past the slots wait their turn")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the running requests get to finish (default 30)")
     sv.add_argument("--prefill-chunk-size", type=int, default=2048)

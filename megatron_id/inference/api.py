@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 
 from .batching import Request
 from .generate import GREEDY_BELOW
 
 # OpenAI parameters accepted only at their neutral value: anything else is refused, not ignored
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "top_p": 1,
-           "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+NEUTRAL = {"echo": False, "logprobs": None, "suffix": None, "top_p": 1, "presence_penalty": 0,
+           "frequency_penalty": 0, "logit_bias": None}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "user", "stream_options",
-         "stop", *NEUTRAL}
+         "stop", "ignore_eos", "include_stop_str_in_output", "n", "best_of", *NEUTRAL}
+MAX_CHOICES = 128        # prompts x n in one request (each is a sequence of the engine)
+FLAGS = ("stream", "ignore_eos", "include_stop_str_in_output")   # booleans, false when absent (vLLM's extras: the
+# end-of-text token not ending the completion; the stop string that ended it kept in the text)
 MAX_STOPS = 4            # OpenAI's limit on stop sequences
 MAX_STOP_CHARS = 1000    # per stop string: each is matched against the text's tail at every token
 SEED_RANGE = (0, 2**64 - 1)   # what torch.Generator.manual_seed takes
@@ -101,10 +105,12 @@ def number(body: dict, name: str, default, kind, low, high=None):
     return kind(value)
 
 
-def parse_completion(body, max_model_len: int) -> tuple[dict, str]:
+def parse_completion(body, max_model_len: int, default_max_tokens: int | None = 16) -> tuple[dict, str]:
     """(the request's settings, its prompt text) from a completions body, or BadRequest naming
     the field; every check but the prompt's token count (which needs the tokenizer, off the event
-    loop: `check_length`)."""
+    loop: `check_length`). default_max_tokens: OpenAI's 16 for completions; None (chat): what the
+    context leaves after the prompt, set by to_request. Without a seed, a sampled request draws a
+    fresh one (OpenAI's and vLLM's behaviour; a fixed default gave every such request one text)."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     unknown = sorted(set(body) - KNOWN)
@@ -113,31 +119,68 @@ def parse_completion(body, max_model_len: int) -> tuple[dict, str]:
     for name, neutral in NEUTRAL.items():
         if name in body and body[name] != neutral and body[name] is not None:
             raise BadRequest(f"{name}={body[name]!r} is not supported (only {neutral!r})", name)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise BadRequest("prompt must be a string (one prompt per request)", "prompt")
-    if not prompt:
-        raise BadRequest("prompt gives no tokens: send some text", "prompt")
-    check_text(prompt, "prompt")
-    settings = {"max_tokens": number(body, "max_tokens", 16, int, 1),
+    prompts = parse_prompts(body.get("prompt"))
+    n = number(body, "n", 1, int, 1, MAX_CHOICES)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:   # (vLLM's V1 engine dropped it too)
+        raise BadRequest(f"best_of={best_of!r} is not supported (only null or equal to n, {n})", "best_of")
+    if n * len(prompts) > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts x n {n} make {n * len(prompts)} completions: at most {MAX_CHOICES} "
+                         f"in one request (send the rest in another)", "n")
+    max_tokens = body.get("max_tokens")
+    settings = {"max_tokens": default_max_tokens if max_tokens is None else number(body, "max_tokens", 16, int, 1),
                 "temperature": number(body, "temperature", 1.0, float, 0.0, 2.0),   # OpenAI's default and range
                 "top_k": number(body, "top_k", 0, int, 0),
-                "seed": number(body, "seed", 0, int, *SEED_RANGE),
+                "seed": None if body.get("seed") is None else number(body, "seed", 0, int, *SEED_RANGE),
                 "stop": parse_stop(body.get("stop"))}
     if 0 < settings["temperature"] < GREEDY_BELOW:   # 1e-300: logits / t overflow; the draw is the argmax anyway
         raise BadRequest(f"temperature={settings['temperature']} is below {GREEDY_BELOW:g}, where sampling is "
                          f"greedy to float precision: send 0 for greedy", "temperature")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream must be true or false, not {stream!r}", "stream")
+    for flag in FLAGS:
+        value = body.get(flag, False)
+        if not isinstance(value, bool):
+            raise BadRequest(f"{flag} must be true or false, not {value!r}", flag)
+        settings[flag] = value
+    stream = settings["stream"]
     options = body.get("stream_options")
     if options is None:
         options = {}
     elif not isinstance(options, dict) or set(options) - {"include_usage"} or not stream:
         raise BadRequest("stream_options takes only {\"include_usage\": true|false}, with stream", "stream_options")
-    settings["stream"] = stream
     settings["include_usage"] = bool(options.get("include_usage"))
-    return settings, prompt
+    settings["n"] = n
+    return settings, prompts
+
+
+def parse_prompts(value) -> list:
+    """OpenAI's `prompt`: a string, a list of strings, a list of token ids, or a list of lists of
+    token ids -> a non-empty list of prompts, each a string or a list of ids (ids checked against
+    the vocabulary once the tokenizer is at hand: `check_ids`)."""
+    def one(item, where: str):
+        if isinstance(item, str):
+            if not item:
+                raise BadRequest(f"{where} gives no tokens: send some text", "prompt")
+            check_text(item, where)
+            return item
+        if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            return item
+        raise BadRequest(f"{where} must be a string or a non-empty list of token ids (integers), not "
+                         f"{str(item)[:100]}", "prompt")
+    if isinstance(value, str):
+        return [one(value, "prompt")]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [value]   # one prompt of token ids
+    if isinstance(value, list) and value:
+        return [one(item, f"prompt[{i}]") for i, item in enumerate(value)]
+    raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids "
+                     "(and not empty)", "prompt")
+
+
+def check_ids(ids: list[int], vocabulary: int, where: str) -> None:
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocabulary:
+            raise BadRequest(f"{where}[{i}] = {token}: token ids are integers from 0 to {vocabulary - 1} (this "
+                             f"model's vocabulary)", "prompt")
 
 
 def longest_token_bytes(tokenizer) -> int | None:
@@ -174,39 +217,49 @@ def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int, size: 
                          "max_tokens")
 
 
-def check_prompt_bytes(prompt: str, settings: dict, max_model_len: int, bytes_per_token: int | None) -> None:
+def check_prompt_bytes(prompt, settings: dict, max_model_len: int, bytes_per_token: int | None) -> None:
     """A prompt too long on its bytes alone, refused before it is tokenized (a byte-level
-    tokenizer's token covers at most `bytes_per_token` bytes): megabytes are not tokenized."""
-    if bytes_per_token is None:
+    tokenizer's token covers at most `bytes_per_token` bytes): megabytes are not tokenized.
+    (A prompt of token ids is checked on its length by to_request.)"""
+    if bytes_per_token is None or not isinstance(prompt, str):
         return
     size = len(prompt.encode("utf-8"))
-    check_length(-(-size // bytes_per_token), settings["max_tokens"], max_model_len, size)
+    check_length(-(-size // bytes_per_token), settings["max_tokens"] or 1, max_model_len, size)
 
 
-def to_request(ids: list[int], settings: dict, max_model_len: int) -> Request:
-    """The engine's Request once the prompt is tokenized (its length checked against the limit)."""
+def to_request(ids: list[int], settings: dict, max_model_len: int, sample: int = 0) -> Request:
+    """The engine's Request once the prompt is tokenized (its length checked against the limit;
+    max_tokens None: all the room the prompt leaves; seed None: a fresh one; `sample`: the
+    prompt's j-th of n completions, seeded seed + j, so that a request's n samples differ and
+    the same request gives them again)."""
     if not ids:
         raise BadRequest("prompt gives no tokens: send some text", "prompt")
-    check_length(len(ids), settings["max_tokens"], max_model_len)
-    return Request(ids, settings["max_tokens"], settings["temperature"], settings["top_k"], settings["seed"])
+    max_tokens = settings["max_tokens"]
+    check_length(len(ids), max_tokens or 1, max_model_len)
+    if max_tokens is None:
+        max_tokens = max_model_len - len(ids)
+    seed = (settings["seed"] + sample) % (SEED_RANGE[1] + 1) if settings["seed"] is not None else \
+        secrets.randbelow(SEED_RANGE[1] + 1)
+    return Request(ids, max_tokens, settings["temperature"], settings["top_k"], seed,
+                   ignore_eos=settings["ignore_eos"])
 
 
 class StopText:
     """The text of a completion as it grows, cut at the first `stop` string (which is not
-    returned, as OpenAI does). `ready()` is what can be sent now: the text less any tail that
-    could still become a stop string."""
+    returned, as OpenAI does; `keep`: it is, vLLM's include_stop_str_in_output). `ready()` is
+    what can be sent now: the text less any tail that could still become a stop string."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
+    def __init__(self, stops: list[str], keep: bool = False):
+        self.stops, self.keep = stops, keep
         self.text = ""
         self.stopped = False
 
     def update(self, text: str) -> None:
         if self.stopped:
             return
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        cuts = [(i, i + len(s) if self.keep else i) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if cuts:
-            text, self.stopped = text[:min(cuts)], True
+            text, self.stopped = text[:min(cuts)[1]], True
         self.text = text
 
     def ready(self, final: bool = False) -> str:
@@ -224,7 +277,7 @@ class StopText:
 # ---------------------------------------------------------------- chat completions
 
 CHAT_KNOWN = (KNOWN - {"prompt", "echo", "suffix", "best_of"}) | {"messages", "max_completion_tokens"}
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")   # developer: OpenAI's newer name of system
 
 
 class ChatTemplate:
@@ -264,12 +317,22 @@ def parse_chat(body, max_model_len: int, template: ChatTemplate | None) -> tuple
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    contents = []
     for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):   # content parts, as the openai client sends them: text parts only
+            if not content or not all(isinstance(part, dict) and part.get("type") == "text" and set(part) ==
+                                      {"type", "text"} and isinstance(part["text"], str) for part in content):
+                raise BadRequest(f"messages[{i}].content: a list of parts must hold text parts only, "
+                                 f"{{\"type\": \"text\", \"text\": a string}} (this model reads text), not "
+                                 f"{str(content)[:200]}", "messages")
+            content = "".join(part["text"] for part in content)
         if not isinstance(message, dict) or message.get("role") not in ROLES or \
-                not isinstance(message.get("content"), str) or set(message) - {"role", "content", "name"}:
-            raise BadRequest(f"messages[{i}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, "
-                             f"not {str(message)[:200]}", "messages")
-        check_text(message["content"], "messages")
+                not isinstance(content, str) or set(message) - {"role", "content", "name"}:
+            raise BadRequest(f"messages[{i}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string "
+                             f"or a list of text parts}}, not {str(message)[:200]}", "messages")
+        check_text(content, "messages")
+        contents.append(content)
     if body.get("logprobs") is False:   # chat's logprobs is a boolean; false is its neutral value
         body = {**body, "logprobs": None}
     if "max_completion_tokens" in body:
@@ -277,6 +340,9 @@ def parse_chat(body, max_model_len: int, template: ChatTemplate | None) -> tuple
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         body = {**{k: v for k, v in body.items() if k != "max_completion_tokens"},
                 "max_tokens": body["max_completion_tokens"]}
-    prompt = template.render([{"role": m["role"], "content": m["content"]} for m in messages])
+    # (a template knows system, user and assistant: developer is read as system)
+    prompt = template.render([{"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+                              for m, content in zip(messages, contents)])
     rest = {k: v for k, v in body.items() if k != "messages"}
-    return parse_completion({**rest, "prompt": prompt}, max_model_len)
+    # chat has no cap of its own on max_tokens (OpenAI's): without one, what the context leaves
+    return parse_completion({**rest, "prompt": prompt}, max_model_len, default_max_tokens=None)

@@ -40,6 +40,7 @@ class Request:
     seed: int = 0
     eos_id: int | None = None
     name: str = ""          # how logs name it (the server's completion id)
+    ignore_eos: bool = False   # the server gives it no eos_id (vLLM's ignore_eos: it runs to max_new_tokens)
 
 
 @dataclass

@@ -21,7 +21,9 @@ from .api import (
     ChatTemplate,
     StopText,
     check_content_type,
+    check_ids,
     check_prompt_bytes,
+    check_text,
     decode_body,
     longest_token_bytes,
     parse_chat,
@@ -33,6 +35,7 @@ from .api import (
 ENGINE_FAILED = (503, "the engine stopped after a failure and the server is exiting; retry once it is restarted",
                  "engine_failed")
 DRAIN = web.AppKey("drain", object)   # the app's drain coroutine (SIGTERM, the engine stopping)
+HURRY = web.AppKey("hurry", object)   # ends a drain now, cancelling what runs (a second signal)
 
 
 class Busy(Exception):
@@ -63,6 +66,37 @@ def release_memory() -> None:
         pass
 
 
+class Choice:
+    """One completion of a request (its prompt's j-th of n): the engine's ticket for it, the
+    tokens so far, its text cut at a stop string, what a stream has sent of it."""
+
+    def __init__(self, index: int, request, ticket: dict, settings: dict):
+        self.index, self.request, self.ticket = index, request, ticket
+        self.tokens, self.sent, self.finish = [], "", None
+        self.generated = 0   # tokens the model gave, the end-of-text token included (as generate counts them)
+        self.text = StopText(settings["stop"], keep=settings["include_stop_str_in_output"])
+
+    def take(self, token, finish, tokenizer, decode_now: bool) -> str:
+        """One item from the engine; returns the text a stream may send now (the whole text is
+        decoded once at the end when nothing needs it sooner: no stream, no stop string)."""
+        if token is not None:
+            self.generated += 1
+            if token != self.request.eos_id:
+                self.tokens.append(token)
+        self.finish = finish
+        if not decode_now and finish is None:
+            return ""
+        self.text.update(tokenizer.decode(self.tokens))
+        if self.text.stopped and self.finish is None:
+            self.ticket["cancelled"] = True   # the engine frees its slot at the next step
+            self.ticket["finish_reason"] = self.finish = "stop"
+        if self.finish is None and self.text.text.endswith("\ufffd"):
+            return ""   # the rest of a multi-byte character is coming
+        ready = self.text.ready(final=self.finish is not None)
+        delta, self.sent = ready[len(self.sent):], ready
+        return delta
+
+
 class OpenAIApp:
     """The endpoints: POST /v1/completions and /v1/chat/completions (chat_template: the
     tokenizer's, api.ChatTemplate; without one chat answers 400 saying so), GET /v1/models and
@@ -72,9 +106,10 @@ class OpenAIApp:
                  chat_template: ChatTemplate | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_model_len, self.limits, self.chat_template = max_model_len, limits, chat_template
-        self.draining = False
+        self.draining = self.hurrying = False
         self.per_client = collections.Counter()   # remote address -> requests pending
         self.bytes_per_token = longest_token_bytes(tokenizer)
+        self.vocabulary = tokenizer.get_vocab_size()
         self.created = int(time.time())   # (GET /v1/models: when this server started serving the model)
 
     def app(self) -> web.Application:
@@ -82,9 +117,13 @@ class OpenAIApp:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         app.on_shutdown.append(self.drain)
         app[DRAIN] = self.drain
+        app[HURRY] = self.hurry
         return app
 
     # ------------------------------------------------------------ access control, errors
@@ -171,7 +210,8 @@ class OpenAIApp:
         return await self.complete(http, chat=True)
 
     async def complete(self, http, chat: bool):
-        """A request checked, tokenized and queued, then answered (`answer`)."""
+        """A request checked, tokenized and queued (its prompts x n completions, each a sequence
+        of the engine), then answered (`answer`)."""
         engine = self.engine
         if self.draining:
             return error_response(503, "the server is shutting down", kind="server_error")
@@ -185,11 +225,18 @@ class OpenAIApp:
                 return error_response(404, f"The model `{asked}` does not exist: this server serves "
                                            f"`{self.model_name}` (GET /v1/models; megatron-id serve "
                                            f"--served-model-name)", "model", code="model_not_found")
-            settings, prompt = (parse_chat(body, self.max_model_len, self.chat_template) if chat else
-                                parse_completion(body, self.max_model_len))
-            check_prompt_bytes(prompt, settings, self.max_model_len, self.bytes_per_token)
-            ids = (await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)).ids
-            request = to_request(ids, settings, self.max_model_len)
+            settings, prompts = (parse_chat(body, self.max_model_len, self.chat_template) if chat else
+                                 parse_completion(body, self.max_model_len))
+            for prompt in prompts:
+                check_prompt_bytes(prompt, settings, self.max_model_len, self.bytes_per_token)
+            requests = []
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, str):
+                    ids = (await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, prompt)).ids
+                else:
+                    check_ids(prompt, self.vocabulary, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                    ids = prompt
+                requests += [to_request(ids, settings, self.max_model_len, sample=j) for j in range(settings["n"])]
             client = http.remote or "?"
             limit = self.limits.max_pending_per_client
             if limit is not None and self.per_client[client] >= limit:
@@ -197,8 +244,9 @@ class OpenAIApp:
                                            f"or running (serve --max-pending-per-client): retry later",
                                       kind="rate_limit_error", headers={"Retry-After": "1"})
             ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            request.name = ident
-            ticket, out = engine.submit(request, asyncio.get_running_loop())
+            for j, request in enumerate(requests):
+                request.name = ident if len(requests) == 1 else f"{ident}/{j}"
+            tickets, out = engine.submit(requests, asyncio.get_running_loop())
         except BadRequest as e:
             return error_response(e.status, str(e), e.param)
         except BadOptionError as e:
@@ -206,45 +254,51 @@ class OpenAIApp:
         except Busy:
             if engine.failure is not None:
                 return engine_failed()
-            return error_response(503, f"{engine.max_pending} requests are already queued or running: "
-                                       f"retry later", kind="server_error", headers={"Retry-After": "1"})
+            return error_response(503, f"{engine.max_pending} sequences are already queued or running (serve "
+                                       f"--max-pending; this request has {len(requests)}): retry later",
+                                  kind="server_error", headers={"Retry-After": "1"})
         finally:
             if size > 2**20:
                 release_memory()
         self.per_client[client] += 1
         try:
-            return await self.answer(http, ident, request, settings, ticket, out, chat)
+            choices = [Choice(i, request, ticket, settings) for i, (request, ticket) in
+                       enumerate(zip(requests, tickets))]
+            return await self.answer(http, ident, choices, settings, out, chat, len(prompts))
         finally:
             self.per_client[client] -= 1
             if not self.per_client[client]:
                 del self.per_client[client]
 
-    async def answer(self, http, ident, request, settings, ticket, out, chat: bool):
-        """The request's tokens as they come from the engine: one JSON answer, or server-sent
-        events as OpenAI streams them."""
+    async def answer(self, http, ident, choices: list[Choice], settings, out, chat: bool, prompts: int):
+        """The choices' tokens as they come from the engine: one JSON answer, or server-sent
+        events as OpenAI streams them (each chunk one choice's, by its index)."""
         engine, tokenizer, limits = self.engine, self.tokenizer, self.limits
-        kind = ("chat.completion.chunk" if settings["stream"] else "chat.completion") if chat else "text_completion"
+        stream = settings["stream"]
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
         chunk = {"id": ident, "object": kind, "created": int(time.time()), "model": self.model_name}
 
-        def choice(text: str, finish, first: bool = False) -> dict:
+        def choice_body(c: Choice, text: str, finish, first: bool = False) -> dict:
             """OpenAI's choice: text for completions; for chat a message, or in a stream a delta
             (the role in the first, the content in each, empty with the finish_reason at the end)."""
             if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            if not settings["stream"]:
-                return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                return {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+            if not stream:
+                return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                         "finish_reason": finish}
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        stream = settings["stream"]
-        tokens, sent, finish, failure = [], "", None, None
-        text = StopText(settings["stop"])
+            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        failure = None
         # the deadline arrives as an item of the queue: a plain `await out.get()` is cancelled
         # cleanly when the client goes away (asyncio.wait_for around it could swallow that while
         # tokens arrive every millisecond, and the sequence ran on to max_tokens)
-        timer = (asyncio.get_running_loop().call_later(limits.request_timeout, out.put_nowait, (None, "timeout"))
-                 if limits.request_timeout else None)
+        timer = (asyncio.get_running_loop().call_later(limits.request_timeout, out.put_nowait,
+                                                       (None, None, "timeout")) if limits.request_timeout else None)
         response = None
+
+        def cancel_all() -> None:
+            for c in choices:
+                c.ticket["cancelled"] = True   # the engine cancels its sequence at the next step
 
         async def send(data: dict) -> None:
             await response.write(f"data: {json.dumps(data)}\n\n".encode())
@@ -254,36 +308,31 @@ class OpenAIApp:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(http)
-                if chat:   # OpenAI's first chunk: the role, no content yet
-                    await send({**chunk, "choices": [choice("", None, first=True)]})
-            while finish is None:
-                token, finish = await out.get()
+                if chat:   # OpenAI's first chunk of each choice: the role, no content yet
+                    for c in choices:
+                        await send({**chunk, "choices": [choice_body(c, "", None, first=True)]})
+            running = len(choices)
+            while running:
+                index, token, finish = await out.get()
                 if finish == "timeout":
-                    ticket["cancelled"] = True
+                    cancel_all()
                     failure = (504, f"the request ran past {limits.request_timeout:g} s (serve --request-timeout) "
-                                    f"after {len(tokens)} tokens", "timeout")
+                                    f"after {sum(c.generated for c in choices)} tokens", "timeout")
                     break
                 if finish == "error":
-                    ticket["cancelled"] = True
+                    cancel_all()
                     failure = (ENGINE_FAILED if engine.failure is not None else
                                (500, f"the model failed while generating request {ident} (the server's log has the "
                                      f"cause); other requests are unaffected: retry", "generation_failed"))
                     break
-                if token is not None and token != request.eos_id:
-                    tokens.append(token)
-                if not stream and not settings["stop"] and finish is None:
-                    continue   # (the whole text is decoded once, at the end)
-                text.update(tokenizer.decode(tokens))
-                if text.stopped:
-                    ticket["cancelled"] = True   # the engine frees its slot at the next step
-                    finish = "stop"
-                if stream:
-                    if finish is None and text.text.endswith("\ufffd"):
-                        continue   # the rest of a multi-byte character is coming
-                    ready = text.ready(final=finish is not None)
-                    delta, sent = ready[len(sent):], ready
-                    if delta or finish is not None:
-                        await send({**chunk, "choices": [choice(delta, finish)]})
+                c = choices[index]
+                if c.finish is not None:   # (a stop string ended it; the engine's last items come after)
+                    continue
+                delta = c.take(token, finish, tokenizer, stream or bool(settings["stop"]))
+                if c.finish is not None:
+                    running -= 1
+                if stream and (delta or c.finish is not None):
+                    await send({**chunk, "choices": [choice_body(c, delta, c.finish)]})
             if failure is not None:
                 status, message, code = failure
                 if not stream:
@@ -291,8 +340,10 @@ class OpenAIApp:
                 await send(error_body(message, kind="server_error", code=code))   # as vLLM streams an error
                 await response.write_eof()
                 return response
-            usage = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
-                     "total_tokens": len(request.prompt) + len(tokens)}
+            prompt_tokens = sum(len(c.request.prompt) for c in choices[::settings["n"]])   # each prompt once
+            completion_tokens = sum(c.generated for c in choices)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}
             if stream:
                 if settings["include_usage"]:   # OpenAI's last chunk: no choices, the usage
                     await send({**chunk, "choices": [], "usage": usage})
@@ -300,20 +351,21 @@ class OpenAIApp:
                 await response.write_eof()
                 return response
         except asyncio.CancelledError:   # the client went away (aiohttp's handler cancellation)
-            ticket["cancelled"] = True   # the engine cancels its sequence at the next step
+            cancel_all()
             raise
         except ConnectionError:
             # The client went away and a write found its connection closing before aiohttp's
             # cancellation reached this handler (a token arrived in the same turn of the event loop
             # as the hang-up). Raised, aiohttp logs it as an unhandled error with a 25-line
-            # traceback; the sequence is cancelled and the response handed back as it stands
+            # traceback; the sequences are cancelled and the response handed back as it stands
             # (aiohttp's own write of its end then fails quietly).
-            ticket["cancelled"] = True
+            cancel_all()
             return response if response is not None else web.Response(status=499)
         finally:
             if timer is not None:
                 timer.cancel()
-        return web.json_response({**chunk, "choices": [choice(text.ready(final=True), finish)], "usage": usage})
+        return web.json_response({**chunk, "choices": [choice_body(c, c.text.ready(final=True), c.finish)
+                                                       for c in choices], "usage": usage})
 
     # ------------------------------------------------------------ the rest
 
@@ -322,6 +374,45 @@ class OpenAIApp:
                                                                "created": self.created,
                                                                "owned_by": "megatron-id"}]})
 
+    async def tokenize(self, http):
+        """vLLM's POST /tokenize: {"prompt": text} -> {"count", "max_model_len", "tokens"}, the ids this
+        server reads the text as (no special token is added: none is, to a prompt)."""
+        try:
+            body, _ = await self.read_body(http)
+            if not isinstance(body, dict) or set(body) - {"model", "prompt", "add_special_tokens"} or \
+                    not isinstance(body.get("prompt"), str):
+                raise BadRequest("the body must be {\"prompt\": a string} (and optionally \"model\")", "prompt")
+            check_text(body["prompt"], "prompt")
+            ids = (await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, body["prompt"])).ids
+        except BadRequest as e:
+            return error_response(e.status, str(e), e.param)
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                  "token_strs": None})
+
+    async def detokenize(self, http):
+        """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": their text}."""
+        try:
+            body, _ = await self.read_body(http)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(body, dict) or set(body) - {"model", "tokens"} or not isinstance(tokens, list):
+                raise BadRequest("the body must be {\"tokens\": a list of token ids} (and optionally \"model\")",
+                                 "tokens")
+            vocabulary = self.vocabulary
+            for i, token in enumerate(tokens):
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocabulary:
+                    raise BadRequest(f"tokens[{i}] = {token!r}: token ids are integers from 0 to {vocabulary - 1}",
+                                     "tokens")
+        except BadRequest as e:
+            return error_response(e.status, str(e), e.param)
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def version(self, http):
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return web.json_response({"version": version("megatron_id")})
+        except PackageNotFoundError:   # (run from a checkout that was not installed)
+            return web.json_response({"version": "unknown"})
+
     async def health(self, http):
         engine = self.engine
         if engine.failure is not None:
@@ -329,6 +420,10 @@ class OpenAIApp:
                                      status=503)
         return web.json_response({"status": "draining" if self.draining else "ok", "pending": engine.busy(),
                                   "finished": dict(engine.finished)})
+
+    def hurry(self) -> None:
+        """Stop waiting for the running requests: the drain cancels them now."""
+        self.draining = self.hurrying = True
 
     async def drain(self, app=None):
         """Refuse new work (503, still listening), let the rest finish, cancel what outlasts the timeout."""
@@ -339,7 +434,7 @@ class OpenAIApp:
         if left:
             print(f"megatron-id serve: draining {left} request(s) (up to {self.limits.drain_timeout:g} s)",
                   file=sys.stderr, flush=True)
-        while engine.busy() and time.monotonic() < deadline:
+        while engine.busy() and time.monotonic() < deadline and not self.hurrying:
             await asyncio.sleep(0.05)
         if engine.busy():
             print(f"megatron-id serve: cancelling {engine.busy()} request(s) still running", file=sys.stderr,

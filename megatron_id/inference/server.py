@@ -52,8 +52,9 @@ from .api import ChatTemplate
 from .batching import ContinuousBatcher, Request
 from .fused_decode import check_kv_pool, fused_decode_refusal
 from .generate import load_trained, resolve_device
-from .openai_app import DRAIN, Busy, build_app
+from .openai_app import DRAIN, HURRY, Busy, build_app
 
+DEFAULT_MAX_PENDING = 1024   # requests queued or running before 503 (at least 4 x --slots); vLLM queues without bound
 __all__ = ["DRAIN", "Engine", "ServeLimits", "build_app", "drain_then_stop", "serve"]   # (build_app: openai_app.py)
 
 FAILED_STEPS_FATAL = 3   # the shared decode step failing this many times in a row: the engine cannot go on
@@ -84,8 +85,9 @@ def loopback(host: str) -> bool:
 
 class Engine:
     """The batcher on its own thread. Requests come in through a queue; each sequence's tokens go
-    out to its asyncio queue as (token, finish_reason or None) pairs; a sequence that failed gets
-    (None, "error") and the engine goes on. What the batcher cannot contain (the engine loop itself
+    out to its HTTP request's asyncio queue as (choice, token, finish_reason or None), choice the
+    request's index among those submitted together (a request's prompts x n); a sequence that
+    failed gets (choice, None, "error") and the engine goes on. What the batcher cannot contain (the engine loop itself
     failing, or the shared decode step failing FAILED_STEPS_FATAL times in a row) stops it:
     `failure` is set, every client gets its error, and `on_fatal` (the server's shutdown) is
     called, so that the process exits non-zero and a supervisor restarts it."""
@@ -99,28 +101,32 @@ class Engine:
         self.stopped = threading.Event()
         self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="megatron-id-engine", daemon=True)
-        self.routes = {}   # sequence id -> (loop, asyncio queue, ticket, sequence)
+        self.routes = {}   # sequence id -> (loop, asyncio queue, ticket, sequence, choice)
         self.finished = collections.Counter()   # by finish_reason (GET /health)
 
     def start(self):
         self.thread.start()
 
-    def submit(self, request: Request, loop) -> tuple[dict, asyncio.Queue]:
-        request.eos_id = self.eos_id
-        self.batcher.check(request)           # BadOptionError: 400
+    def submit(self, requests: list[Request], loop) -> tuple[list[dict], asyncio.Queue]:
+        """Queue a request's sequences, all or none (Busy: over --max-pending); returns a ticket
+        each (the HTTP side sets "cancelled" when the client goes away) and their shared queue."""
+        for request in requests:
+            request.eos_id = None if request.ignore_eos else self.eos_id
+            self.batcher.check(request)           # BadOptionError: 400
         with self.lock:
             if self.failure is not None:
                 raise Busy()
-            if self.pending >= self.max_pending:
+            if self.pending + len(requests) > self.max_pending:
                 raise Busy()
-            self.pending += 1
+            self.pending += len(requests)
         out: asyncio.Queue = asyncio.Queue()
-        ticket = {"cancelled": False}   # set by the HTTP side when the client goes away
-        self.inbox.put((request, out, loop, ticket))
-        return ticket, out
+        tickets = [{"cancelled": False} for _ in requests]
+        for choice, (request, ticket) in enumerate(zip(requests, tickets)):
+            self.inbox.put((request, out, loop, ticket, choice))
+        return tickets, out
 
     def cancel_all(self) -> None:
-        self.inbox.put(("cancel-all", None, None, None))
+        self.inbox.put(("cancel-all", None, None, None, None))
 
     def busy(self) -> int:
         with self.lock:
@@ -133,25 +139,27 @@ class Engine:
         self.batcher.close()
 
     def _deliver(self, sequence, item) -> None:
-        loop, out, _, _ = self.routes[sequence.id]
-        loop.call_soon_threadsafe(out.put_nowait, item)
+        loop, out, _, _, choice = self.routes[sequence.id]
+        loop.call_soon_threadsafe(out.put_nowait, (choice, *item))
 
     def _done(self, sequence) -> None:
-        del self.routes[sequence.id]
-        self.finished[sequence.finish_reason] += 1
+        _, _, ticket, _, _ = self.routes.pop(sequence.id)
+        # (a stop string ends a sequence on the HTTP side, which cancels it here: counted as the
+        # client was told, "stop", not "cancelled")
+        self.finished[ticket.get("finish_reason") or sequence.finish_reason] += 1
         with self.lock:
             self.pending -= 1
 
     def _take(self, item) -> None:
         if item is None:
             return
-        request, out, loop, ticket = item
+        request, out, loop, ticket, choice = item
         if request == "cancel-all":
             for sequence in list(self.batcher.waiting) + list(self.batcher.running.values()):
                 self.batcher.cancel(sequence)
             return
         sequence = self.batcher.submit(request)
-        self.routes[sequence.id] = (loop, out, ticket, sequence)
+        self.routes[sequence.id] = (loop, out, ticket, sequence, choice)
 
     def _hand_out(self, events: list) -> None:
         for sequence, token, finished in events:
@@ -170,7 +178,7 @@ class Engine:
                 self._take(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        for _, _, ticket, sequence in self.routes.values():   # their clients went away
+        for _, _, ticket, sequence, _ in self.routes.values():   # their clients went away
             if ticket["cancelled"] and not sequence.cancelled:
                 self.batcher.cancel(sequence)
         before = list(self.batcher.waiting) + list(self.batcher.running.values())
@@ -190,8 +198,8 @@ class Engine:
             with self.lock:
                 self.failure = e
                 self.pending = 0
-            for loop, out, _, _ in list(self.routes.values()):
-                loop.call_soon_threadsafe(out.put_nowait, (None, "error"))
+            for loop, out, _, _, choice in list(self.routes.values()):
+                loop.call_soon_threadsafe(out.put_nowait, (choice, None, "error"))
             self.routes.clear()
             print(f"megatron-id serve: the engine stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if self.on_fatal is not None:
@@ -200,17 +208,26 @@ class Engine:
 
 def drain_then_stop(app, stop) -> callable:
     """The handler of SIGTERM / SIGINT (and of the engine stopping): drain while still listening,
-    so that new requests get 503, not a refused connection; then `stop()` the server. A second
-    call stops it at once."""
-    state = {"stopping": False}
+    so that new requests get 503, not a refused connection; then `stop()` the server, once. A
+    second call stops it at once: what runs is cancelled now (app[HURRY]) and the drain ends.
+    (Before, the second call stopped the server while the first drain went on: aiohttp's shutdown
+    then drained again, up to --drain-timeout, and the first drain's own stop, raised during that
+    shutdown, ended the process with exit code 1 and no closing line.)"""
+    state = {"stopping": False, "stopped": False}
+
+    def stop_once():
+        if not state["stopped"]:
+            state["stopped"] = True
+            stop()
 
     async def drain_and_stop():
         await app[DRAIN]()
-        stop()
+        stop_once()
 
     def on_signal():
         if state["stopping"]:
-            stop()
+            app[HURRY]()
+            stop_once()
             return
         state["stopping"] = True
         asyncio.get_running_loop().create_task(drain_and_stop())
@@ -283,7 +300,7 @@ def serve(args) -> int:
                   "Lower --max-model-len or --slots")
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
                                 prefill_chunk_size=args.prefill_chunk_size, prefill_thread=not args.inline_prefill)
-    engine = Engine(batcher, args.max_pending or 4 * args.slots, trained.eod)
+    engine = Engine(batcher, args.max_pending or max(DEFAULT_MAX_PENDING, 4 * args.slots), trained.eod)
     template = chat_template_of(trained.tokenizer_path)
     try:
         chat = ChatTemplate(template, special_tokens(trained.tokenizer_path)) if template else None

@@ -1,0 +1,249 @@
+"""`megatron-id serve` as OpenAI's and vLLM's clients use it (issue 55), in-process (aiohttp's
+test client over the real app and engine, a tiny export, test_serve_robust.py's harness): fresh
+sampling without a seed, chat without a max_tokens cap, the end-of-text token counted, stop
+strings counted as "stop", vLLM's extras (ignore_eos, include_stop_str_in_output, /tokenize,
+/detokenize, /version), chat content parts and the developer role; then a real process: 64
+clients at once past the slots all served, and a second signal that stops it at once."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+from hf_tiny import tiny_export
+from test_serve_robust import CANARY, CHATML, greedy, post_raw_to, serve, settled, stream_text
+
+from megatron_id.inference.api import ChatTemplate
+from megatron_id.inference.generate import generate_ids, load_trained
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return load_trained(tiny_export(tmp_path_factory.mktemp("openai") / "hf"))
+
+
+def test_sampling_without_a_seed_draws_afresh_and_a_seed_repeats(trained):
+    """Before: `seed` defaulted to 0, so every sampled request without one (the openai client
+    never sends one) gave the same text, across restarts too."""
+    ask = {"prompt": CANARY, "max_tokens": 12, "temperature": 1.5}
+
+    async def body(client, engine):
+        unseeded = [await post_raw_to(client, "/v1/completions", ask) for _ in range(3)]
+        seeded = [await post_raw_to(client, "/v1/completions", {**ask, "seed": 7}) for _ in range(2)]
+        return unseeded, seeded
+    unseeded, seeded = serve(trained, body)
+    assert all(code == 200 for code, _ in unseeded + seeded)
+    texts = [reply["choices"][0]["text"] for _, reply in unseeded]
+    assert len(set(texts)) > 1, texts
+    assert seeded[0][1]["choices"][0]["text"] == seeded[1][1]["choices"][0]["text"]
+
+
+def test_chat_without_max_tokens_runs_on_past_16_and_completions_keep_openais_16(trained):
+    """Before: a chat request without max_tokens stopped at 16 tokens (finish_reason "length");
+    OpenAI's chat has no such cap (its legacy completions do: 16)."""
+    messages = [{"role": "user", "content": CANARY}]
+
+    async def body(client, engine):
+        chat = await post_raw_to(client, "/v1/chat/completions", {"messages": messages, "temperature": 0})
+        plain = await post_raw_to(client, "/v1/completions", {"prompt": CANARY, "temperature": 0})
+        return chat, plain
+    (code, chat), (_, plain) = serve(trained, body, chat=ChatTemplate(CHATML, {"bos_token": "", "eos_token": ""}))
+    assert code == 200, chat
+    usage = chat["usage"]
+    # the end of text, or all the room the context leaves (MAX_MODEL_LEN 256 in the harness)
+    assert usage["completion_tokens"] > 16 and (chat["choices"][0]["finish_reason"] == "stop" or
+                                                usage["total_tokens"] == 256), chat
+    assert plain["usage"]["completion_tokens"] == 16
+
+
+def test_the_end_of_text_token_is_counted_and_ignore_eos_runs_past_it(trained):
+    """Before: completion_tokens left out the end-of-text token (generate --input-file counts it:
+    the same text, 2 against 1), and vLLM's ignore_eos was "unknown field". Here the model's 3rd
+    greedy token is made the end-of-text token, so that it comes."""
+    ids = trained.tokenizer.encode(CANARY).ids
+    greedy_ids = list(generate_ids(trained.model, ids, 8, decode="eager"))
+    eos = greedy_ids[2]
+    assert eos not in greedy_ids[:2]
+    trained_eos = SimpleNamespace(model=trained.model, tokenizer=trained.tokenizer, eod=eos)
+
+    async def body(client, engine):
+        ask = {"prompt": CANARY, "max_tokens": 8, "temperature": 0}
+        ended = await post_raw_to(client, "/v1/completions", ask)
+        ignored = await post_raw_to(client, "/v1/completions", {**ask, "ignore_eos": True})
+        return ended, ignored
+    (code, ended), (code2, ignored) = serve(trained_eos, body)
+    assert code == 200 and code2 == 200, (ended, ignored)
+    assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] == 3, ended
+    assert ended["choices"][0]["text"] == trained.tokenizer.decode(greedy_ids[:2])
+    assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 8
+    assert ignored["choices"][0]["text"] == trained.tokenizer.decode(greedy_ids)
+
+
+def test_a_stop_string_finish_is_counted_as_stop_and_include_stop_str_in_output_keeps_it(trained):
+    """Before: /health counted a stop string's finish as "cancelled" while the client was told
+    "stop"; include_stop_str_in_output (vLLM's) was "unknown field"."""
+    whole = greedy(trained, CANARY, 60)
+    cut = whole[len(whole) // 3: len(whole) // 3 + 4]
+    assert cut.strip() and whole.find(cut) > 0
+
+    async def body(client, engine):
+        kept = await post_raw_to(client, "/v1/completions", {"prompt": CANARY, "max_tokens": 60, "temperature": 0,
+                                                              "stop": cut, "include_stop_str_in_output": True})
+        streamed, _, _ = await stream_text(client, CANARY, 60, stop=cut)
+        _, health = await settled(client)
+        return kept, streamed, health
+    (code, kept), streamed, health = serve(trained, body)
+    assert code == 200 and kept["choices"][0]["text"] == whole[:whole.find(cut) + len(cut)], kept
+    assert streamed == whole[:whole.find(cut)]
+    assert health["finished"] == {"stop": 2}, health
+
+
+def test_vllms_tokenize_detokenize_version_and_models_created(trained):
+    """vLLM's /tokenize, /detokenize and /version (lm-eval and load generators call them) were 404;
+    /v1/models had no `created`."""
+    ids = trained.tokenizer.encode(CANARY).ids
+
+    async def body(client, engine):
+        out = [await post_raw_to(client, "/tokenize", {"prompt": CANARY}),
+               await post_raw_to(client, "/detokenize", {"tokens": ids}),
+               await post_raw_to(client, "/detokenize", {"tokens": [ids[0], -1]}),
+               await post_raw_to(client, "/tokenize", {"text": CANARY})]
+        version = await (await client.get("/version")).json()
+        models = await (await client.get("/v1/models")).json()
+        return out, version, models
+    (tokenized, detokenized, bad_id, bad_field), version, models = serve(trained, body)
+    assert tokenized == (200, {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None})
+    assert detokenized == (200, {"prompt": CANARY})
+    assert bad_id[0] == 400 and "tokens[1] = -1" in bad_id[1]["error"]["message"], bad_id
+    assert bad_field[0] == 400 and bad_field[1]["error"]["param"] == "prompt"
+    from importlib.metadata import version as installed
+    assert version == {"version": installed("megatron_id")}
+    assert isinstance(models["data"][0]["created"], int) and models["data"][0]["created"] > 1.7e9
+
+
+def test_chat_content_parts_and_the_developer_role_read_as_text_and_system(trained):
+    """The openai client's content parts ([{"type": "text", "text": ...}]) and its `developer`
+    role got 400; parts are joined, developer is rendered as system (what templates know)."""
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The water cycle"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "The water cycle"}]}]
+
+    async def body(client, engine):
+        ask = {"max_tokens": 8, "temperature": 0}
+        return [await post_raw_to(client, "/v1/chat/completions", {**ask, "messages": m}) for m in (
+            plain, parts, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])]
+    (c1, want), (c2, got), (c3, image) = serve(trained, body, chat=ChatTemplate(CHATML, {"bos_token": "",
+                                                                                          "eos_token": ""}))
+    assert c1 == c2 == 200
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert c3 == 400 and "text parts only" in image["error"]["message"], image
+
+
+def test_prompt_lists_token_id_prompts_and_n_give_one_choice_each_by_index(trained):
+    """Before: a prompt as a list or as token ids (lm-eval's default sends lists of token ids) and
+    n > 1 got 400. Each prompt x n is a sequence of the engine; choices come back by index
+    (prompt i's j-th sample at i x n + j), a seeded request's samples differ from each other and
+    repeat, greedy samples are equal, and a stream tags each chunk with its choice's index."""
+    other = "Rivers carry"
+    ids = [trained.tokenizer.encode(p).ids for p in (CANARY, other)]
+    want = [greedy(trained, p, 6) for p in (CANARY, other)]
+
+    async def body(client, engine):
+        ask = {"max_tokens": 6, "temperature": 0}
+        out = {"texts": await post_raw_to(client, "/v1/completions", {**ask, "prompt": [CANARY, other]}),
+               "ids": await post_raw_to(client, "/v1/completions", {**ask, "prompt": ids[0]}),
+               "id lists": await post_raw_to(client, "/v1/completions", {**ask, "prompt": ids}),
+               "greedy n": await post_raw_to(client, "/v1/completions", {**ask, "prompt": CANARY, "n": 2})}
+        sampled = {"prompt": CANARY, "max_tokens": 12, "temperature": 1.5, "n": 3, "seed": 5}
+        out["sampled"] = await post_raw_to(client, "/v1/completions", sampled)
+        out["again"] = await post_raw_to(client, "/v1/completions", sampled)
+        reply = await client.post("/v1/completions", json={**ask, "prompt": [CANARY, other], "stream": True})
+        out["stream"] = [json.loads(line.decode()[6:]) async for line in reply.content if line.startswith(b"data: {")]
+        out["bad"] = [await post_raw_to(client, "/v1/completions", {**ask, **b}) for b in (
+            {"prompt": [CANARY, 5]}, {"prompt": [ids[0][0], 10**9]}, {"prompt": []},
+            {"prompt": CANARY, "n": 200}, {"prompt": CANARY, "best_of": 2})]
+        return out
+    out = serve(trained, body, max_pending=16)
+
+    def texts(name):
+        code, reply = out[name]
+        assert code == 200, reply
+        assert [c["index"] for c in reply["choices"]] == list(range(len(reply["choices"])))
+        return [c["text"] for c in reply["choices"]]
+    assert texts("texts") == want and texts("id lists") == want and texts("ids") == want[:1]
+    assert out["texts"][1]["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    assert texts("greedy n") == [want[0], want[0]]
+    sampled = texts("sampled")
+    assert len(set(sampled)) > 1 and texts("again") == sampled, sampled
+    assert out["sampled"][1]["usage"]["prompt_tokens"] == len(ids[0])   # the prompt once, not n times
+    streamed = ["", ""]
+    for event in out["stream"]:
+        for c in event["choices"]:
+            streamed[c["index"]] += c["text"]
+    assert streamed == want
+    codes = [(code, reply["error"]["message"]) for code, reply in out["bad"]]
+    assert codes[0][0] == 400 and "prompt[1] must be a string or a non-empty list of token ids" in codes[0][1]
+    assert codes[1][0] == 400 and "prompt[1] = 1000000000: token ids are integers from 0 to 50256" in codes[1][1]
+    assert codes[2][0] == 400 and "prompt must be a string, a list of strings" in codes[2][1]
+    assert codes[3][0] == 400 and "n=200 is out of range" in codes[3][1]
+    assert codes[4][0] == 400 and "best_of=2 is not supported" in codes[4][1]
+
+
+def test_a_real_server_queues_64_clients_past_its_slots_and_a_second_sigterm_stops_it_at_once(tmp_path):
+    """Before: with the default 8 slots and 32 pending, 64 clients at once got 8 refusals (503)
+    that the client's retries did not absorb (128: 77). And a second SIGTERM during the drain
+    drained again (12-30 s), then the process exited 1 with no closing line."""
+    from test_serve import Server
+    export = tiny_export(tmp_path / "hf")
+    server = Server(export, "--max-model-len", "100000", "--drain-timeout", "60")
+    try:
+        codes = []
+
+        def one(i):
+            request = urllib.request.Request(server.url("/v1/completions"), data=json.dumps(
+                {"prompt": f"{CANARY} {i}", "max_tokens": 8, "temperature": 0}).encode(),
+                headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=120) as r:
+                    codes.append(r.status)
+            except urllib.error.HTTPError as e:
+                codes.append(e.code)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert codes == [200] * 64, sorted(codes)
+
+        # a long stream runs; SIGTERM starts the drain (up to --drain-timeout 60 s), a second stops now
+        request = urllib.request.Request(server.url("/v1/completions"), data=json.dumps(
+            {"prompt": CANARY, "max_tokens": 90000, "temperature": 0, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        reply = urllib.request.urlopen(request, timeout=120)
+        assert reply.readline().startswith(b"data: {")
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert server.process.poll() is None, "the first signal stopped the server without a drain"
+        second = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=30)
+        took = time.monotonic() - second
+        lines = [line for line in reply.read().decode().splitlines() if line.startswith("data: {")]
+        reply.close()
+    finally:
+        server.stop()
+    output = server.output() if not server.log.closed else open(server.log.name).read()
+    assert code == 0 and took < 10, (code, took, output[-2000:])
+    assert "megatron-id serve: stopped" in output, output[-2000:]
+    assert json.loads(lines[-1][6:])["choices"][0]["finish_reason"] == "cancelled", lines[-1]
+
+
+if __name__ == "__main__":
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", __file__]))
