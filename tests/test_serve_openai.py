@@ -196,6 +196,70 @@ def test_prompt_lists_token_id_prompts_and_n_give_one_choice_each_by_index(train
     assert codes[4][0] == 400 and "best_of=2 is not supported" in codes[4][1]
 
 
+def model_logprobs(trained, ids: list[int]):
+    """log p(ids[i] | ids[:i]) for i >= 1 and each place's log-softmax, from the model directly."""
+    import torch
+    with torch.no_grad():
+        logprobs = torch.log_softmax(trained.model(torch.tensor([ids]))[0, :-1].double(), dim=-1)
+    return [logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)], logprobs
+
+
+def test_echo_and_logprobs_are_the_models_own_and_lm_evals_parser_reads_them(trained):
+    """Before: echo and logprobs got 400 (lm-eval's loglikelihood tasks send both: token-id
+    prompts, max_tokens 1, logprobs 1, echo). Each token's log-probability equals the model's own
+    log-softmax at its place, the top alternatives are the likeliest there, the prompt's first
+    token has none; lm-eval's own parser reads a batched answer into each continuation's sum and
+    whether it is greedy."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    context, continuations = "The water cycle", [" moves water", " is"]
+    ctx = trained.tokenizer.encode(context).ids
+    batch = [ctx + trained.tokenizer.encode(c).ids for c in continuations]
+
+    async def body(client, engine):
+        lm_eval_like = await post_raw_to(client, "/v1/completions", {
+            "prompt": batch, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234})
+        generated = await post_raw_to(client, "/v1/completions", {"prompt": context, "max_tokens": 5,
+                                                                   "temperature": 0, "logprobs": 3})
+        chat = await post_raw_to(client, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": context}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2})
+        streamed = await post_raw_to(client, "/v1/completions", {"prompt": context, "logprobs": 1, "stream": True})
+        return lm_eval_like, generated, chat, streamed
+    (c1, scored), (c2, generated), (c3, chat), (c4, streamed) = serve(
+        trained, body, chat=ChatTemplate(CHATML, {"bos_token": "", "eos_token": ""}))
+    assert c1 == c2 == c3 == 200, (scored, generated, chat)
+    for ids, choice in zip(batch, scored["choices"]):
+        want, table = model_logprobs(trained, ids + greedy_ids(trained, ids, 1))   # the prompt, then the token given
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[0] is None and choice["logprobs"]["top_logprobs"][0] is None
+        assert len(got) == len(ids) + 1 and max(abs(a - b) for a, b in zip(got[1:], want)) < 1e-4, (got, want)
+        assert choice["text"].startswith(context + continuations[choice["index"]])
+        for place, top in enumerate(choice["logprobs"]["top_logprobs"][1:]):   # the likeliest token is among them
+            best = table[place].argmax().item()
+            assert abs(top[trained.tokenizer.decode([best])] - table[place, best].item()) < 1e-4
+    parsed = LocalCompletionsAPI.parse_logprobs(scored, tokens=batch, ctxlens=[len(ctx)] * 2)
+    for (total, is_greedy), ids in zip(parsed, batch):
+        want, table = model_logprobs(trained, ids)
+        assert abs(total - sum(want[len(ctx) - 1:])) < 1e-3
+        assert is_greedy == all(table[i].argmax().item() == ids[i + 1] for i in range(len(ctx) - 1, len(ids) - 1))
+    # the completion's own tokens, without echo: greedy picks the likeliest each time
+    logprobs = generated["choices"][0]["logprobs"]
+    ctx_completion = ctx + greedy_ids(trained, ctx, 5)
+    want, _ = model_logprobs(trained, ctx_completion)
+    assert len(logprobs["tokens"]) == 5 and "".join(logprobs["tokens"]) == generated["choices"][0]["text"]
+    assert max(abs(a - b) for a, b in zip(logprobs["token_logprobs"], want[len(ctx) - 1:])) < 1e-4
+    assert all(max(top.values()) == lp for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"]))
+    assert all(len(top) == 3 for top in logprobs["top_logprobs"]) and logprobs["text_offset"][0] == 0
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and "".join(e["token"] for e in content) == chat["choices"][0]["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in content)
+    assert c4 == 400 and "without stream only" in streamed["error"]["message"], streamed
+
+
+def greedy_ids(trained, ids, n):
+    return list(generate_ids(trained.model, ids, n, decode="eager"))
+
+
 def test_a_real_server_queues_64_clients_past_its_slots_and_a_second_sigterm_stops_it_at_once(tmp_path):
     """Before: with the default 8 slots and 32 pending, 64 clients at once got 8 refusals (503)
     that the client's retries did not absorb (128: 77). And a second SIGTERM during the drain

@@ -12,13 +12,14 @@ from .batching import Request
 from .generate import GREEDY_BELOW
 
 # OpenAI parameters accepted only at their neutral value: anything else is refused, not ignored
-NEUTRAL = {"echo": False, "logprobs": None, "suffix": None, "top_p": 1, "presence_penalty": 0,
-           "frequency_penalty": 0, "logit_bias": None}
+NEUTRAL = {"suffix": None, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "user", "stream_options",
-         "stop", "ignore_eos", "include_stop_str_in_output", "n", "best_of", *NEUTRAL}
+         "stop", "ignore_eos", "include_stop_str_in_output", "n", "best_of", "echo", "logprobs", *NEUTRAL}
+MAX_LOGPROBS = 20        # the most top_logprobs a token (vLLM's default bound; OpenAI's legacy completions: 5)
 MAX_CHOICES = 128        # prompts x n in one request (each is a sequence of the engine)
-FLAGS = ("stream", "ignore_eos", "include_stop_str_in_output")   # booleans, false when absent (vLLM's extras: the
-# end-of-text token not ending the completion; the stop string that ended it kept in the text)
+# booleans, false when absent (vLLM's extras: the end-of-text token not ending the completion; the
+# stop string that ended it kept in the text; echo: the prompt's text before the completion's)
+FLAGS = ("stream", "ignore_eos", "include_stop_str_in_output", "echo")
 MAX_STOPS = 4            # OpenAI's limit on stop sequences
 MAX_STOP_CHARS = 1000    # per stop string: each is matched against the text's tail at every token
 SEED_RANGE = (0, 2**64 - 1)   # what torch.Generator.manual_seed takes
@@ -149,6 +150,13 @@ def parse_completion(body, max_model_len: int, default_max_tokens: int | None = 
         raise BadRequest("stream_options takes only {\"include_usage\": true|false}, with stream", "stream_options")
     settings["include_usage"] = bool(options.get("include_usage"))
     settings["n"] = n
+    # logprobs: the log-probability of each completion token (with echo, of the prompt's too) and
+    # the `logprobs` likeliest at each place, from the model's own distribution (before temperature
+    # and top_k, as vLLM gives them); lm-eval scores with echo + logprobs
+    settings["logprobs"] = None if body.get("logprobs") is None else number(body, "logprobs", 0, int, 0, MAX_LOGPROBS)
+    if stream and (settings["echo"] or settings["logprobs"] is not None):
+        raise BadRequest("echo and logprobs are answered without stream only (for now): send stream false",
+                         "logprobs" if settings["logprobs"] is not None else "echo")
     return settings, prompts
 
 
@@ -276,7 +284,7 @@ class StopText:
 
 # ---------------------------------------------------------------- chat completions
 
-CHAT_KNOWN = (KNOWN - {"prompt", "echo", "suffix", "best_of"}) | {"messages", "max_completion_tokens"}
+CHAT_KNOWN = (KNOWN - {"prompt", "echo", "suffix", "best_of"}) | {"messages", "max_completion_tokens", "top_logprobs"}
 ROLES = ("system", "developer", "user", "assistant")   # developer: OpenAI's newer name of system
 
 
@@ -333,8 +341,15 @@ def parse_chat(body, max_model_len: int, template: ChatTemplate | None) -> tuple
                              f"or a list of text parts}}, not {str(message)[:200]}", "messages")
         check_text(content, "messages")
         contents.append(content)
-    if body.get("logprobs") is False:   # chat's logprobs is a boolean; false is its neutral value
-        body = {**body, "logprobs": None}
+    # chat's logprobs is a boolean, top_logprobs how many alternatives (completions' logprobs number)
+    wants, top = body.get("logprobs"), body.get("top_logprobs")
+    if wants not in (None, True, False):
+        raise BadRequest(f"logprobs must be true or false, not {wants!r}", "logprobs")
+    if top is not None and wants is not True:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None:
+        number(body, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
+    body = {**{k: v for k, v in body.items() if k != "top_logprobs"}, "logprobs": (top or 0) if wants else None}
     if "max_completion_tokens" in body:
         if "max_tokens" in body:
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")

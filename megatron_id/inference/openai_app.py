@@ -66,6 +66,26 @@ def release_memory() -> None:
         pass
 
 
+def score_tokens(model, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each token of `ids` after the first: its log-probability given those before it and the
+    `top` likeliest tokens there with theirs, from one forward pass of the model over `ids` (the
+    log-softmax of its logits in float32, the LM head applied 256 positions at a time)."""
+    import torch
+    with torch.inference_mode():
+        device = next(model.parameters()).device
+        tokens = torch.tensor([ids], device=device)
+        hidden = model(tokens[:, :-1], return_hidden=True)[0]
+        out = []
+        for start in range(0, hidden.shape[0], 256):
+            logprobs = torch.log_softmax(model.lm_head(hidden[start:start + 256]).float(), dim=-1)
+            chosen = logprobs.gather(-1, tokens[0, start + 1:start + 1 + logprobs.shape[0], None])[:, 0]
+            values, indices = logprobs.topk(top, dim=-1) if top else (None, None)
+            for i in range(logprobs.shape[0]):
+                best = list(zip(indices[i].tolist(), values[i].tolist())) if top else []
+                out.append((chosen[i].item(), best))
+        return out
+
+
 class Choice:
     """One completion of a request (its prompt's j-th of n): the engine's ticket for it, the
     tokens so far, its text cut at a stop string, what a stream has sent of it."""
@@ -264,13 +284,13 @@ class OpenAIApp:
         try:
             choices = [Choice(i, request, ticket, settings) for i, (request, ticket) in
                        enumerate(zip(requests, tickets))]
-            return await self.answer(http, ident, choices, settings, out, chat, len(prompts))
+            return await self.answer(http, ident, choices, settings, out, chat)
         finally:
             self.per_client[client] -= 1
             if not self.per_client[client]:
                 del self.per_client[client]
 
-    async def answer(self, http, ident, choices: list[Choice], settings, out, chat: bool, prompts: int):
+    async def answer(self, http, ident, choices: list[Choice], settings, out, chat: bool):
         """The choices' tokens as they come from the engine: one JSON answer, or server-sent
         events as OpenAI streams them (each chunk one choice's, by its index)."""
         engine, tokenizer, limits = self.engine, self.tokenizer, self.limits
@@ -278,13 +298,13 @@ class OpenAIApp:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
         chunk = {"id": ident, "object": kind, "created": int(time.time()), "model": self.model_name}
 
-        def choice_body(c: Choice, text: str, finish, first: bool = False) -> dict:
+        def choice_body(c: Choice, text: str, finish, first: bool = False, logprobs=None) -> dict:
             """OpenAI's choice: text for completions; for chat a message, or in a stream a delta
             (the role in the first, the content in each, empty with the finish_reason at the end)."""
             if not chat:
-                return {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+                return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             if not stream:
-                return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                         "finish_reason": finish}
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -364,8 +384,44 @@ class OpenAIApp:
         finally:
             if timer is not None:
                 timer.cancel()
-        return web.json_response({**chunk, "choices": [choice_body(c, c.text.ready(final=True), c.finish)
-                                                       for c in choices], "usage": usage})
+        bodies = []
+        for c in choices:
+            text, logprobs = c.text.ready(final=True), None
+            if settings["echo"]:
+                text = tokenizer.decode(c.request.prompt) + text
+            if settings["logprobs"] is not None:
+                logprobs = await self.logprobs(c, settings, chat)
+            bodies.append(choice_body(c, text, c.finish, logprobs=logprobs))
+        return web.json_response({**chunk, "choices": bodies, "usage": usage})
+
+    async def logprobs(self, c: Choice, settings: dict, chat: bool) -> dict:
+        """OpenAI's logprobs of a choice: its completion's tokens (with echo, the prompt's first;
+        the first prompt token has none), each with its log-probability and the
+        settings["logprobs"] likeliest tokens there, scored by the model on the prompt and the
+        completion (one forward pass, off the event loop)."""
+        prompt, completion = c.request.prompt, c.tokens
+        scored = await asyncio.get_running_loop().run_in_executor(
+            None, score_tokens, self.engine.batcher.model, prompt + completion, settings["logprobs"])
+        decode = self.tokenizer.decode
+        first = 0 if settings["echo"] else len(prompt)
+        ids = (prompt + completion)[first:]
+        places = [None if first + i == 0 else scored[first + i - 1] for i in range(len(ids))]
+        if chat:
+            def entry(token, logprob):
+                text = decode([token])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**entry(token, place[0]), "top_logprobs": [entry(t, lp) for t, lp in place[1]]}
+                                for token, place in zip(ids, places)]}
+        tokens = [decode([token]) for token in ids]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [None if place is None else place[0] for place in places],
+                "top_logprobs": [None if place is None else
+                                 {**{decode([t]): lp for t, lp in place[1]}, decode([token]): place[0]}
+                                 for token, place in zip(ids, places)],
+                "text_offset": offsets}
 
     # ------------------------------------------------------------ the rest
 
