@@ -35,8 +35,9 @@ setup(
         # the range tests/test_hf_clients.py runs: 5.0.0 (a venv of its own) and the newest 5.x
         # here (5.24); accelerate for from_pretrained(device_map=...)
         "hf": ["transformers>=5.0,<5.25", "accelerate>=1.0"],
-        # lm-evaluation-harness on exported folders (tested with 0.4.13)
-        "eval": ["lm_eval>=0.4.13,<0.5"],
+        # lm-evaluation-harness on exported folders, and its local-completions on megatron-id serve
+        # ([api]: tenacity, requests; tested with 0.4.13)
+        "eval": ["lm_eval[api]>=0.4.13,<0.5"],
         # preprocessing extras: the tiktoken encoder (--tokenizer-backend tiktoken) and NeoX's --ftfy
         "preprocess": ["tiktoken>=0.7", "ftfy>=6"],
         # the fused chunked core for CUDA (model.core_impl=auto|triton; tl.gather needs >= 3.3);
@@ -50,7 +51,7 @@ setup(
         # GPTDataset/BlendedDataset on the same files); its Linux wheels (cp310-cp313, x86_64 and aarch64)
         # carry the compiled C++ helpers and need only torch>=2.6, numpy and packaging. No macOS wheel
         # (the sdist would compile), hence the marker; the benchmark runs our side alone without it.
-        "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval==0.4.13",
+        "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval[api]==0.4.13",
                  "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1", "aiohttp>=3.9,<4", "openai>=1.0",
                  "megatron-core==0.16.1; platform_system == 'Linux'",
                  # the lint tests/test_code_layout.py runs (.ruff.toml); pinned: isort's order moves between releases

@@ -6,6 +6,7 @@ strings counted as "stop", vLLM's extras (ignore_eos, include_stop_str_in_output
 clients at once past the slots all served, and a second signal that stops it at once."""
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -25,8 +26,13 @@ from megatron_id.inference.generate import generate_ids, load_trained
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return load_trained(tiny_export(tmp_path_factory.mktemp("openai") / "hf"))
+def folder(tmp_path_factory):
+    return tiny_export(tmp_path_factory.mktemp("openai") / "hf")
+
+
+@pytest.fixture(scope="module")
+def trained(folder):
+    return load_trained(folder)
 
 
 def test_sampling_without_a_seed_draws_afresh_and_a_seed_repeats(trained):
@@ -254,6 +260,35 @@ def test_echo_and_logprobs_are_the_models_own_and_lm_evals_parser_reads_them(tra
     assert len(content) == 4 and "".join(e["token"] for e in content) == chat["choices"][0]["message"]["content"]
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in content)
     assert c4 == 400 and "without stream only" in streamed["error"]["message"], streamed
+
+
+def test_lm_evals_local_completions_with_its_defaults_scores_as_its_hf_model_does(trained, folder):
+    """The acceptance of issue 55: lm-eval 0.4.13's `local-completions` with its default settings
+    (prompts sent as token ids, here batches of 2) against the server: loglikelihood and
+    generate_until give what `lm_eval --model hf` gives on the export (its HFLM, as
+    test_hf_clients.py runs it). Before: 400 for the token-id prompts and for echo."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    pairs = [("The water cycle", " describes how"), ("Rivers", " carry sediment to the sea"), ("A", " B")]
+    scoring = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    until = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    generating = [Instance("generate_until", {}, (text, dict(until)), i)
+                  for i, text in enumerate(["The water cycle describes", "Rivers", "Photosynthesis is"])]
+    hf = HFLM(pretrained=str(folder), trust_remote_code=True, batch_size=1, device="cpu")
+    want_scores, want_texts = hf.loglikelihood(scoring), hf.generate_until(generating)
+
+    async def body(client, engine):
+        api = LocalCompletionsAPI(base_url=f"http://127.0.0.1:{client.server.port}/v1/completions", model="hf",
+                                  tokenizer=str(folder), batch_size=2, max_length=256)
+        loop = asyncio.get_running_loop()
+        scores = await loop.run_in_executor(None, api.loglikelihood, scoring)
+        texts = await loop.run_in_executor(None, api.generate_until, generating)
+        return scores, texts
+    scores, texts = serve(trained, body, max_pending=16)
+    assert texts == want_texts
+    for (got, got_greedy), (want, want_greedy) in zip(scores, want_scores):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-4) and got_greedy == want_greedy, (scores, want_scores)
 
 
 def greedy_ids(trained, ids, n):
