@@ -100,13 +100,13 @@ def test_a_failing_sequence_fails_alone_and_the_others_decode_on_as_alone(monkey
     from megatron_id.inference import batching
     model = tiny([], dtype=torch.float32)
     ps = prompts(4, seed=2)
-    real = batching.sample
+    real = batching.sample_with
 
-    def sample(logits, temperature, top_k, generator):
+    def sample(logits, temperature, top_k, generator, *rest):
         if temperature == 0.5:   # the marked request
             raise RuntimeError("injected")
-        return real(logits, temperature, top_k, generator)
-    monkeypatch.setattr(batching, "sample", sample)
+        return real(logits, temperature, top_k, generator, *rest)
+    monkeypatch.setattr(batching, "sample_with", sample)
     batcher = ContinuousBatcher(model, slots=2)
     sequences = [batcher.submit(Request(p, 6, temperature=0.5 if i == 1 else 0.0)) for i, p in enumerate(ps)]
     events = []

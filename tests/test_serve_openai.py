@@ -291,6 +291,60 @@ def test_lm_evals_local_completions_with_its_defaults_scores_as_its_hf_model_doe
         assert got == pytest.approx(want, rel=1e-4, abs=1e-4) and got_greedy == want_greedy, (scores, want_scores)
 
 
+def test_sampling_parameters_bias_penalties_top_p_and_min_p_shape_the_draw():
+    """The sampler behind top_p, min_p, the penalties and logit_bias (generate.sample_with): each
+    against a hand-computed distribution; neutral parameters draw exactly as before."""
+    import torch
+
+    from megatron_id.inference.generate import Sampling, sample, sample_with
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+    def draws(sampling, n=300, temperature=1.0):
+        g = torch.Generator().manual_seed(0)
+        return {sample_with(logits, temperature, 0, g, sampling, [], []) for _ in range(n)}
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert [sample(logits, 1.0, 0, g1) for _ in range(50)] == \
+        [sample_with(logits, 1.0, 0, g2, Sampling(), [1], [2]) for _ in range(50)]
+    assert draws(Sampling()) == {0, 1, 2, 3}
+    assert draws(Sampling(top_p=0.7)) == {0, 1} and draws(Sampling(top_p=0.5)) == {0}
+    assert draws(Sampling(top_p=0.81)) == {0, 1, 2}
+    assert draws(Sampling(min_p=0.5)) == {0, 1} and draws(Sampling(min_p=0.2)) == {0, 1, 2}
+    greedy = lambda sampling, prompt=(), output=(): sample_with(logits, 0.0, 0, None, sampling, list(prompt),  # noqa: E731
+                                                                list(output))
+    assert greedy(Sampling(logit_bias=((3, 100.0),))) == 3 and greedy(Sampling(logit_bias=((0, -100.0),))) == 1
+    # logits are all negative here: a repetition penalty of 2 doubles a seen token's (log 0.5 * 2 < log 0.3)
+    assert greedy(Sampling(repetition_penalty=2.0), prompt=[0]) == 1
+    assert greedy(Sampling(repetition_penalty=2.0), output=[0]) == 1
+    assert greedy(Sampling(repetition_penalty=2.0), output=[0, 1]) == 0   # log .5 x 2 = -1.39 > log .15 = -1.90
+    # frequency: log 0.5 - 2 x 0.3 = -1.29 < log 0.3 = -1.20; presence alone (0.3) is not enough
+    assert greedy(Sampling(frequency_penalty=0.3), output=[0, 0]) == 1
+    assert greedy(Sampling(presence_penalty=0.3), output=[0, 0]) == 0
+    assert greedy(Sampling(presence_penalty=0.6), output=[0, 0]) == 1
+
+
+def test_the_server_takes_top_p_min_p_penalties_and_logit_bias_and_refuses_bad_ones(trained):
+    """Before: top_p != 1, penalties, logit_bias (even {}) got 400, min_p and repetition_penalty
+    "unknown field"."""
+    ask = {"prompt": CANARY, "max_tokens": 6, "temperature": 0}
+    forced = trained.tokenizer.encode(" river").ids[0]
+
+    async def body(client, engine):
+        out = [await post_raw_to(client, "/v1/completions", {**ask, **extra}) for extra in (
+            {"logit_bias": {str(forced): 100}}, {"logit_bias": {}}, {"temperature": 1.5, "top_p": 1e-9, "seed": 3},
+            {"temperature": 1.5, "min_p": 1.0, "seed": 4}, {"presence_penalty": 0.5, "frequency_penalty": 0.5,
+                                                             "repetition_penalty": 1.2},
+            {"top_p": 0}, {"logit_bias": {"x": 1}}, {"logit_bias": {str(10**9): 1}}, {"presence_penalty": 3})]
+        return out
+    out = serve(trained, body)
+    want = greedy(trained, CANARY, 6)
+    assert [code for code, _ in out[:5]] == [200] * 5, out[:5]
+    assert out[0][1]["choices"][0]["text"] == trained.tokenizer.decode([forced] * 6)
+    assert out[1][1]["choices"][0]["text"] == want
+    assert out[2][1]["choices"][0]["text"] == want and out[3][1]["choices"][0]["text"] == want   # one token left
+    params = [(code, reply["error"]["param"]) for code, reply in out[5:]]
+    assert params == [(400, "top_p"), (400, "logit_bias"), (400, "logit_bias"), (400, "presence_penalty")], params
+
+
 def greedy_ids(trained, ids, n):
     return list(generate_ids(trained.model, ids, n, decode="eager"))
 

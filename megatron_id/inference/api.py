@@ -9,12 +9,14 @@ import math
 import secrets
 
 from .batching import Request
-from .generate import GREEDY_BELOW
+from .generate import GREEDY_BELOW, Sampling
 
 # OpenAI parameters accepted only at their neutral value: anything else is refused, not ignored
-NEUTRAL = {"suffix": None, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+NEUTRAL = {"suffix": None}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "user", "stream_options",
-         "stop", "ignore_eos", "include_stop_str_in_output", "n", "best_of", "echo", "logprobs", *NEUTRAL}
+         "stop", "ignore_eos", "include_stop_str_in_output", "n", "best_of", "echo", "logprobs", "top_p", "min_p",
+         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", *NEUTRAL}
+MAX_LOGIT_BIAS = 300     # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20        # the most top_logprobs a token (vLLM's default bound; OpenAI's legacy completions: 5)
 MAX_CHOICES = 128        # prompts x n in one request (each is a sequence of the engine)
 # booleans, false when absent (vLLM's extras: the end-of-text token not ending the completion; the
@@ -154,10 +156,37 @@ def parse_completion(body, max_model_len: int, default_max_tokens: int | None = 
     # the `logprobs` likeliest at each place, from the model's own distribution (before temperature
     # and top_k, as vLLM gives them); lm-eval scores with echo + logprobs
     settings["logprobs"] = None if body.get("logprobs") is None else number(body, "logprobs", 0, int, 0, MAX_LOGPROBS)
+    settings["sampling"] = parse_sampling(body)
     if stream and (settings["echo"] or settings["logprobs"] is not None):
         raise BadRequest("echo and logprobs are answered without stream only (for now): send stream false",
                          "logprobs" if settings["logprobs"] is not None else "echo")
     return settings, prompts
+
+
+def parse_sampling(body: dict) -> Sampling:
+    """top_p, min_p, the penalties and logit_bias (OpenAI's ranges; repetition_penalty vLLM's)."""
+    top_p = number(body, "top_p", 1.0, float, 0.0, 1.0)
+    if top_p == 0:
+        raise BadRequest("top_p=0 keeps no token: send a value in (0, 1] (1: all)", "top_p")
+    repetition = number(body, "repetition_penalty", 1.0, float, 0.0, 10.0)
+    if repetition == 0:
+        raise BadRequest("repetition_penalty=0 divides by zero: send a value in (0, 10] (1: none)",
+                         "repetition_penalty")
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias must be an object of up to {MAX_LOGIT_BIAS} token ids (as strings) to numbers in "
+                         f"[-100, 100]", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        pairs.append((token, number({"logit_bias": value}, "logit_bias", 0.0, float, -100.0, 100.0)))
+    return Sampling(top_p=top_p, min_p=number(body, "min_p", 0.0, float, 0.0, 1.0),
+                    presence_penalty=number(body, "presence_penalty", 0.0, float, -2.0, 2.0),
+                    frequency_penalty=number(body, "frequency_penalty", 0.0, float, -2.0, 2.0),
+                    repetition_penalty=repetition, logit_bias=tuple(sorted(pairs)))
 
 
 def parse_prompts(value) -> list:
@@ -184,11 +213,11 @@ def parse_prompts(value) -> list:
                      "(and not empty)", "prompt")
 
 
-def check_ids(ids: list[int], vocabulary: int, where: str) -> None:
+def check_ids(ids: list[int], vocabulary: int, where: str, param: str = "prompt") -> None:
     for i, token in enumerate(ids):
         if not 0 <= token < vocabulary:
             raise BadRequest(f"{where}[{i}] = {token}: token ids are integers from 0 to {vocabulary - 1} (this "
-                             f"model's vocabulary)", "prompt")
+                             f"model's vocabulary)", param)
 
 
 def longest_token_bytes(tokenizer) -> int | None:
@@ -249,7 +278,7 @@ def to_request(ids: list[int], settings: dict, max_model_len: int, sample: int =
     seed = (settings["seed"] + sample) % (SEED_RANGE[1] + 1) if settings["seed"] is not None else \
         secrets.randbelow(SEED_RANGE[1] + 1)
     return Request(ids, max_tokens, settings["temperature"], settings["top_k"], seed,
-                   ignore_eos=settings["ignore_eos"])
+                   ignore_eos=settings["ignore_eos"], sampling=settings["sampling"])
 
 
 class StopText:

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import BadOptionError
 from .fused_decode import FusedDecoder
-from .generate import prefill, sample
+from .generate import NEUTRAL_SAMPLING, Sampling, prefill, sample_with
 
 
 @dataclass
@@ -41,6 +41,7 @@ class Request:
     eos_id: int | None = None
     name: str = ""          # how logs name it (the server's completion id)
     ignore_eos: bool = False   # the server gives it no eos_id (vLLM's ignore_eos: it runs to max_new_tokens)
+    sampling: Sampling = NEUTRAL_SAMPLING   # top_p, min_p, penalties, logit_bias (generate.py)
 
 
 @dataclass
@@ -193,7 +194,8 @@ class ContinuousBatcher:
         generator = None
         if request.temperature > 0:
             generator = self.generators[sequence.id] = torch.Generator(device=self.device).manual_seed(request.seed)
-        self._emit(sequence, sample(logits[0, -1], request.temperature, request.top_k, generator), events)
+        self._emit(sequence, sample_with(logits[0, -1], request.temperature, request.top_k, generator,
+                                         request.sampling, request.prompt, sequence.tokens), events)
 
     def _failed_reading(self, sequence: Sequence, error: BaseException, events: list) -> None:
         if sequence in self.waiting:
@@ -280,7 +282,8 @@ class ContinuousBatcher:
                 continue
             request = sequence.request
             try:
-                token = sample(logits[slot], request.temperature, request.top_k, self.generators.get(sequence.id))
+                token = sample_with(logits[slot], request.temperature, request.top_k,
+                                    self.generators.get(sequence.id), request.sampling, request.prompt, sequence.tokens)
             except Exception as error:
                 self._fail(sequence, error, events)
                 continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -220,6 +221,62 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, generator) -> i
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling parameters beyond temperature and top_k (OpenAI's and vLLM's), neutral by
+    default: logit_bias {token id: added to its logit}; repetition_penalty (vLLM's and
+    transformers': a seen token's logit divided by it when positive, multiplied when negative;
+    prompt and output), frequency_penalty (subtracted once per time a token was generated) and
+    presence_penalty (once if it was); then, when sampling, top_p (the smallest set of likeliest
+    tokens whose probability reaches it) and min_p (tokens at least min_p x the likeliest's
+    probability). Greedy (temperature 0) takes the argmax after the bias and the penalties."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple = ()   # ((token id, bias), ...)
+
+    def neutral(self) -> bool:
+        return self == NEUTRAL_SAMPLING
+
+
+NEUTRAL_SAMPLING = Sampling()
+
+
+def sample_with(logits: torch.Tensor, temperature: float, top_k: int, generator, sampling: Sampling,
+                prompt: list[int], output: list[int]) -> int:
+    """`sample` with `sampling`'s parameters (vLLM's order: bias, penalties, temperature, top_k,
+    top_p, min_p); with neutral ones, exactly `sample`. prompt / output: the sequence's tokens so
+    far, for the penalties."""
+    if sampling.neutral():
+        return sample(logits, temperature, top_k, generator)
+    logits = logits.float().clone()
+    for token, bias in sampling.logit_bias:
+        logits[token] += bias
+    if sampling.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=logits.device)
+        values = logits[seen]
+        penalty = sampling.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if output and (sampling.frequency_penalty or sampling.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.numel())[:logits.numel()]
+        logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
+    if temperature < GREEDY_BELOW:
+        return int(logits.argmax())
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / temperature, -1)
+    if sampling.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        before = ordered.cumsum(0) - ordered   # the probability of the likelier tokens
+        probs[order[before >= sampling.top_p]] = 0.0   # (the likeliest always stays)
+    if sampling.min_p > 0.0:
+        probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @torch.no_grad()

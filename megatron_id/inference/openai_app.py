@@ -249,6 +249,8 @@ class OpenAIApp:
                                  parse_completion(body, self.max_model_len))
             for prompt in prompts:
                 check_prompt_bytes(prompt, settings, self.max_model_len, self.bytes_per_token)
+            check_ids([token for token, _ in settings["sampling"].logit_bias], self.vocabulary, "logit_bias keys",
+                      "logit_bias")
             requests = []
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
