@@ -8,6 +8,7 @@ and Delta both in its init range and as large as 1.0.
 """
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,32 @@ def test_readout_scale_makes_output_independent_of_M(tiny_config):
         rms[M] = seen["o"].pow(2).mean().sqrt().item()
     assert max(rms.values()) / min(rms.values()) < 2.0, rms
     assert all(0.01 < r < 1.0 for r in rms.values()), rms
+
+
+def test_inference_tables_are_kept_between_calls_and_follow_any_change_of_the_parameters():
+    """Without a gradient, the chunked form keeps its parameter-only tables between calls
+    (chunked.inference_tables): a second call builds none, and a parameter changed in place, even
+    through `.data` (which leaves the version counter alone), gives the tables of its new value:
+    the output equals the one computed with fresh tables under autograd."""
+    from megatron_id.config import load_config
+    from megatron_id.model import LanguageModel
+    cfg = load_config([Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml"], ["model.chunk_size=8"]).model
+    mixer = LanguageModel(cfg, seed=0).layers[0].mixer
+    x = torch.randn(1, 21, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    built = []
+    real = chunked.chunk_tables
+    counting = lambda *a, **k: built.append(1) or real(*a, **k)  # noqa: E731
+    chunked._TABLES.clear()
+    try:
+        chunked.chunk_tables = counting
+        with torch.no_grad():
+            first = mixer(x)
+            again = mixer(x)
+            assert len(built) == 1 and torch.equal(first, again)
+            mixer.a_log.data.add_(0.25)   # in place, outside autograd's sight
+            changed = mixer(x)
+        assert len(built) == 2 and not torch.allclose(changed, first)
+        fresh = mixer(x).detach()   # (a gradient wanted: tables built in the graph, not kept)
+        assert len(built) == 3 and torch.equal(changed, fresh)
+    finally:
+        chunked.chunk_tables = real

@@ -345,6 +345,59 @@ def test_the_server_takes_top_p_min_p_penalties_and_logit_bias_and_refuses_bad_o
     assert params == [(400, "top_p"), (400, "logit_bias"), (400, "logit_bias"), (400, "presence_penalty")], params
 
 
+SYSTEM = ("You answer questions about the water cycle, rivers, clouds and the sea in one short sentence, "
+          "plainly, for a reader who is twelve years old and curious about how water moves on Earth. ")
+
+
+def test_a_shared_prefix_is_saved_once_seen_twice_and_later_prompts_start_from_it_with_the_same_tokens(trained):
+    """Prefix caching of the state (issue 55): the first prompt is read whole, the second (which
+    shares the system prompt) saves the state at the last block boundary inside the shared
+    prefix, the rest start there. Every completion equals the model's alone, and the counters
+    say what happened. A cache too small for one state keeps nothing and changes nothing."""
+    from megatron_id.inference.prefix_cache import PrefixCache
+    questions = ["Why does it rain?", "Where do rivers go?", "What is a cloud?", "Why is the sea salty?"]
+    prompts = [SYSTEM + q for q in questions]
+    want = [greedy(trained, p, 8) for p in prompts]
+    ids = [trained.tokenizer.encode(p).ids for p in prompts]
+    shared = min(next(i for i, (a, b) in enumerate(zip(ids[0], other)) if a != b) for other in ids[1:])
+    block = trained.cfg.chunk_size
+    boundary = shared // block * block
+    assert boundary >= 2 * block, (shared, block)
+
+    async def body(client, engine):
+        texts, healths = [], []
+        for prompt in prompts:
+            _, reply = await post_raw_to(client, "/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                                                      "temperature": 0})
+            texts.append(reply["choices"][0]["text"])
+            healths.append((await settled(client))[1]["prefix_cache"])
+        return texts, healths
+    cache = PrefixCache(block=block, max_bytes=64 * 2**20)
+    texts, healths = serve(trained, body, prefix_cache=cache)
+    assert texts == want
+    assert [(h["entries"], h["hits"], h["misses"]) for h in healths] == [(0, 0, 1), (1, 0, 2), (1, 1, 2), (1, 2, 2)]
+    assert healths[-1]["tokens_saved"] == 2 * boundary and 0 < healths[-1]["bytes"] <= 64 * 2**20
+    tiny = PrefixCache(block=block, max_bytes=1024)
+    texts, healths = serve(trained, body, prefix_cache=tiny)
+    assert texts == want and healths[-1]["entries"] == 0 and healths[-1]["hits"] == 0
+
+
+def test_the_prefix_cache_evicts_the_least_recently_used_within_its_bytes():
+    import torch
+
+    from megatron_id.inference.prefix_cache import PrefixCache
+    state = [{"ssm": torch.zeros(256), "conv": {"k": torch.zeros(64)}, "pos": 8, "tables": torch.zeros(10**6)}]
+    size = 4 * (256 + 64)   # float32, "tables" not counted (parameter-only, rebuilt)
+    cache = PrefixCache(block=4, max_bytes=2 * size)
+    keys = [b"a" * 16, b"b" * 16, b"c" * 16]
+    cache.put(keys[0], state)
+    cache.put(keys[1], state)
+    cache.entries.move_to_end(keys[0])   # (a hit on the first)
+    cache.put(keys[2], state)
+    assert list(cache.entries) == [keys[0], keys[2]] and cache.bytes == 2 * size
+    assert cache.entries[keys[0]][0][0]["tables"] is None and cache.entries[keys[0]][0][0]["ssm"] is not state[0]["ssm"]
+
+
 def greedy_ids(trained, ids, n):
     return list(generate_ids(trained.model, ids, n, decode="eager"))
 

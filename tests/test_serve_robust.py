@@ -33,7 +33,7 @@ def greedy(trained, prompt: str, max_tokens: int) -> str:
 
 
 def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step_seconds: float = 0.0,
-          max_pending: int = 8, chat=None, handler_cancellation: bool = True):
+          max_pending: int = 8, chat=None, handler_cancellation: bool = True, prefix_cache=None):
     """Run `body(client, engine)` against the app with a live engine; `step_seconds` slows every
     decode step (a model of realistic speed, so that requests overlap). handler_cancellation: on,
     as `megatron-id serve` runs aiohttp (a client's hang-up cancels its handler); off, aiohttp's
@@ -43,7 +43,8 @@ def serve(trained, body, limits: ServeLimits | None = None, slots: int = 2, step
     class Server(TestServer):   # (TestServer turns handler cancellation on whatever it is given)
         async def _make_runner(self, **kwargs):
             return await super()._make_runner(**{**kwargs, "handler_cancellation": handler_cancellation})
-    batcher = ContinuousBatcher(trained.model, slots=slots, capacity=MAX_MODEL_LEN, prefill_thread=True)
+    batcher = ContinuousBatcher(trained.model, slots=slots, capacity=MAX_MODEL_LEN, prefill_thread=True,
+                                prefix_cache=prefix_cache)
     if step_seconds:
         step = batcher.decoder.step
 

@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the running requests get to finish (default 30)")
     sv.add_argument("--prefill-chunk-size", type=int, default=2048)
+    sv.add_argument("--prefix-cache-mib", type=float, default=512.0,
+                    help="memory for the states after prompt prefixes shared by several requests (a system "
+                         "prompt, few-shot examples): a prompt starts from the longest one it begins with; "
+                         "least recently used evicted (default 512; 0: off; inference/prefix_cache.py)")
     sv.add_argument("--inline-prefill", action="store_true",
                     help="read prompts on the engine thread between decode steps (each prompt stalls every "
                          "stream for its length) instead of on a thread of their own beside them (default)")
@@ -108,6 +112,9 @@ def run(args) -> int:
     if args.port > 65535 or not args.drain_timeout >= 0:   # (not >=: nan too)
         raise BadOptionError(f"--port {args.port} / --drain-timeout {args.drain_timeout}: a port up to 65535, "
                              f"a timeout of at least 0 seconds.")
+    if not 0 <= args.prefix_cache_mib < float("inf"):   # (not <=: nan too)
+        raise BadOptionError(f"--prefix-cache-mib {args.prefix_cache_mib}: the prefix cache's memory in MiB, at "
+                             f"least 0 (0: off) and finite; default 512.")
     check_options(0, prefill_chunk_size=args.prefill_chunk_size)
     try:
         import aiohttp  # noqa: F401  (the server's HTTP side)

@@ -28,7 +28,8 @@ import torch
 
 from ..errors import BadOptionError
 from .fused_decode import FusedDecoder
-from .generate import NEUTRAL_SAMPLING, Sampling, prefill, sample_with
+from .generate import NEUTRAL_SAMPLING, Sampling, sample_with
+from .prefix_cache import prefill_cached
 
 
 @dataclass
@@ -71,8 +72,9 @@ class ContinuousBatcher:
     is the GPU engines' answer to the same stall, by a token budget per step)."""
 
     def __init__(self, model, slots: int, capacity: int | None = None, prefill_chunk_size: int = 2048,
-                 compile: bool = False, prefill_thread: bool = False):
+                 compile: bool = False, prefill_thread: bool = False, prefix_cache=None):
         self.model, self.prefill_chunk_size = model, prefill_chunk_size
+        self.prefix_cache = prefix_cache   # inference/prefix_cache.py (megatron-id serve), or None
         self.device = next(model.parameters()).device
         self.decoder = FusedDecoder(model, slots=slots, capacity=capacity, compile=compile)
         self.capacity = capacity if self.decoder.unbounded else None
@@ -110,7 +112,8 @@ class ContinuousBatcher:
                     self._read.put((sequence, None, None, None))
                     continue
                 with torch.no_grad(), stream:   # (grad mode is per thread)
-                    logits, states = prefill(self.model, sequence.request.prompt, self.prefill_chunk_size)
+                    logits, states = prefill_cached(self.model, sequence.request.prompt, self.prefill_chunk_size,
+                                                    self.prefix_cache)
                 if self._stream is not None:
                     self._stream.synchronize()   # the decode stream reads these states next
                 self._read.put((sequence, logits, states, None))
@@ -227,7 +230,8 @@ class ContinuousBatcher:
             for sequence in list(self.waiting)[:self.decoder.slots - len(self.running)]:
                 try:
                     with torch.no_grad():   # (as on the prefill thread: no graph for a prompt)
-                        logits, states = prefill(self.model, sequence.request.prompt, self.prefill_chunk_size)
+                        logits, states = prefill_cached(self.model, sequence.request.prompt,
+                                                        self.prefill_chunk_size, self.prefix_cache)
                     self._admit(sequence, logits, states, events)
                 except Exception as error:
                     self._failed_reading(sequence, error, events)

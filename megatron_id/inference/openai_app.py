@@ -476,8 +476,10 @@ class OpenAIApp:
         if engine.failure is not None:
             return web.json_response({"status": "failed", "error": "the engine stopped; the server is exiting"},
                                      status=503)
+        cache = engine.batcher.prefix_cache
         return web.json_response({"status": "draining" if self.draining else "ok", "pending": engine.busy(),
-                                  "finished": dict(engine.finished)})
+                                  "finished": dict(engine.finished),
+                                  "prefix_cache": cache.counters() if cache is not None else None})
 
     def hurry(self) -> None:
         """Stop waiting for the running requests: the drain cancels them now."""

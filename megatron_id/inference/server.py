@@ -53,6 +53,7 @@ from .batching import ContinuousBatcher, Request
 from .fused_decode import check_kv_pool, fused_decode_refusal
 from .generate import load_trained, resolve_device
 from .openai_app import DRAIN, HURRY, Busy, build_app
+from .prefix_cache import PrefixCache
 
 DEFAULT_MAX_PENDING = 1024   # requests queued or running before 503 (at least 4 x --slots); vLLM queues without bound
 __all__ = ["DRAIN", "Engine", "ServeLimits", "build_app", "drain_then_stop", "serve"]   # (build_app: openai_app.py)
@@ -298,8 +299,12 @@ def serve(args) -> int:
     check_kv_pool(model, args.slots, max_model_len, device,
                   f"--max-model-len {max_model_len:,}{defaulted} x --slots {args.slots:,}",
                   "Lower --max-model-len or --slots")
+    # (the cache's blocks are the chunked form's chunks: a read split there computes what one read does)
+    cache = (PrefixCache(block=trained.cfg.chunk_size, max_bytes=int(args.prefix_cache_mib * 2**20))
+             if args.prefix_cache_mib > 0 else None)
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
-                                prefill_chunk_size=args.prefill_chunk_size, prefill_thread=not args.inline_prefill)
+                                prefill_chunk_size=args.prefill_chunk_size, prefill_thread=not args.inline_prefill,
+                                prefix_cache=cache)
     engine = Engine(batcher, args.max_pending or max(DEFAULT_MAX_PENDING, 4 * args.slots), trained.eod)
     template = chat_template_of(trained.tokenizer_path)
     try:
