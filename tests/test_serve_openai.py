@@ -134,6 +134,30 @@ def test_vllms_tokenize_detokenize_version_and_models_created(trained):
     assert isinstance(models["data"][0]["created"], int) and models["data"][0]["created"] > 1.7e9
 
 
+def test_metrics_in_prometheus_text_format_count_what_was_served(trained):
+    """vLLM's /metrics (Prometheus) was 404: the sequences by finish reason and pending, the
+    tokens read and generated, the prefix cache's counters, as the requests' usage says."""
+    from megatron_id.inference.prefix_cache import PrefixCache
+
+    async def body(client, engine):
+        usages = []
+        for ask in ({"prompt": CANARY, "max_tokens": 5}, {"prompt": [CANARY, "Rivers carry"], "max_tokens": 3}):
+            usages.append((await post_raw_to(client, "/v1/completions", {**ask, "temperature": 0}))[1]["usage"])
+        await settled(client)
+        reply = await client.get("/metrics")
+        return usages, reply.status, reply.headers["Content-Type"], await reply.text()
+    usages, status, kind, text = serve(trained, body, prefix_cache=PrefixCache(block=8, max_bytes=2**20))
+    assert status == 200 and kind.startswith("text/plain"), kind
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["megatron_id_requests_answered_total"] == 2
+    assert values["megatron_id_prompt_tokens_total"] == sum(u["prompt_tokens"] for u in usages)
+    assert values["megatron_id_generation_tokens_total"] == sum(u["completion_tokens"] for u in usages) == 11
+    assert values['megatron_id_sequences_finished_total{finish_reason="length"}'] == 3
+    assert values["megatron_id_requests_pending"] == 0 and values["megatron_id_prefix_cache_misses_total"] == 3
+    assert "# TYPE megatron_id_prefix_cache_bytes gauge" in text
+
+
 def test_chat_content_parts_and_the_developer_role_read_as_text_and_system(trained):
     """The openai client's content parts ([{"type": "text", "text": ...}]) and its `developer`
     role got 400; parts are joined, developer is rendered as system (what templates know)."""
@@ -260,6 +284,19 @@ def test_echo_and_logprobs_are_the_models_own_and_lm_evals_parser_reads_them(tra
     assert len(content) == 4 and "".join(e["token"] for e in content) == chat["choices"][0]["message"]["content"]
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in content)
     assert c4 == 400 and "without stream only" in streamed["error"]["message"], streamed
+
+
+def test_echo_in_a_stream_sends_each_prompt_first(trained):
+    async def body(client, engine):
+        reply = await client.post("/v1/completions", json={"prompt": [CANARY, "Rivers carry"], "max_tokens": 4,
+                                                           "temperature": 0, "echo": True, "stream": True})
+        return [json.loads(line.decode()[6:]) async for line in reply.content if line.startswith(b"data: {")]
+    events = serve(trained, body)
+    texts = ["", ""]
+    for event in events:
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [p + greedy(trained, p, 4) for p in (CANARY, "Rivers carry")]
 
 
 def test_lm_evals_local_completions_with_its_defaults_scores_as_its_hf_model_does(trained, folder):

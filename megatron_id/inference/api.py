@@ -157,9 +157,8 @@ def parse_completion(body, max_model_len: int, default_max_tokens: int | None = 
     # and top_k, as vLLM gives them); lm-eval scores with echo + logprobs
     settings["logprobs"] = None if body.get("logprobs") is None else number(body, "logprobs", 0, int, 0, MAX_LOGPROBS)
     settings["sampling"] = parse_sampling(body)
-    if stream and (settings["echo"] or settings["logprobs"] is not None):
-        raise BadRequest("echo and logprobs are answered without stream only (for now): send stream false",
-                         "logprobs" if settings["logprobs"] is not None else "echo")
+    if stream and settings["logprobs"] is not None:
+        raise BadRequest("logprobs are answered without stream only (for now): send stream false", "logprobs")
     return settings, prompts
 
 

@@ -131,6 +131,7 @@ class OpenAIApp:
         self.bytes_per_token = longest_token_bytes(tokenizer)
         self.vocabulary = tokenizer.get_vocab_size()
         self.created = int(time.time())   # (GET /v1/models: when this server started serving the model)
+        self.totals = collections.Counter()   # prompt and generated tokens, requests answered (GET /metrics)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body_size, middlewares=[self.guard])
@@ -140,6 +141,7 @@ class OpenAIApp:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/health", self.health)
         app.on_shutdown.append(self.drain)
         app[DRAIN] = self.drain
@@ -333,6 +335,9 @@ class OpenAIApp:
                 if chat:   # OpenAI's first chunk of each choice: the role, no content yet
                     for c in choices:
                         await send({**chunk, "choices": [choice_body(c, "", None, first=True)]})
+                elif settings["echo"]:   # each choice's prompt first
+                    for c in choices:
+                        await send({**chunk, "choices": [choice_body(c, tokenizer.decode(c.request.prompt), None)]})
             running = len(choices)
             while running:
                 index, token, finish = await out.get()
@@ -364,6 +369,7 @@ class OpenAIApp:
                 return response
             prompt_tokens = sum(len(c.request.prompt) for c in choices[::settings["n"]])   # each prompt once
             completion_tokens = sum(c.generated for c in choices)
+            self.totals.update(prompt_tokens=prompt_tokens, generation_tokens=completion_tokens, answered=1)
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                      "total_tokens": prompt_tokens + completion_tokens}
             if stream:
@@ -463,6 +469,36 @@ class OpenAIApp:
         except BadRequest as e:
             return error_response(e.status, str(e), e.param)
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def metrics(self, http):
+        """Prometheus' text format (as vLLM's /metrics): the engine's sequences by finish reason and
+        pending, the tokens read and generated, the prefix cache's counters."""
+        engine, lines = self.engine, []
+
+        def metric(name: str, kind: str, about: str, values: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP megatron_id_{name} {about}", f"# TYPE megatron_id_{name} {kind}"])
+            lines.extend(f"megatron_id_{name}{labels} {value:g}" for labels, value in values)
+        metric("requests_pending", "gauge", "Sequences queued or running.", [("", engine.busy())])
+        metric("sequences_finished_total", "counter", "Sequences finished, by finish_reason.",
+               [(f'{{finish_reason="{reason}"}}', count) for reason, count in sorted(engine.finished.items())])
+        metric("requests_answered_total", "counter", "Requests answered whole (all their choices).",
+               [("", self.totals["answered"])])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of the requests answered (each prompt once).",
+               [("", self.totals["prompt_tokens"])])
+        metric("generation_tokens_total", "counter", "Tokens generated for the requests answered.",
+               [("", self.totals["generation_tokens"])])
+        cache = engine.batcher.prefix_cache
+        if cache is not None:
+            counters = cache.counters()
+            for name, kind, about in (("hits", "counter", "Prompts that started from a saved prefix state."),
+                                      ("misses", "counter", "Prompts read from their first token."),
+                                      ("tokens_saved", "counter", "Prompt tokens not read again."),
+                                      ("entries", "gauge", "Prefix states kept."),
+                                      ("bytes", "gauge", "Bytes of the prefix states kept.")):
+                metric(f"prefix_cache_{name}" + ("_total" if kind == "counter" else ""), kind, about,
+                       [("", counters[name])])
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
 
     async def version(self, http):
         from importlib.metadata import PackageNotFoundError, version
