@@ -158,6 +158,28 @@ def test_metrics_in_prometheus_text_format_count_what_was_served(trained):
     assert "# TYPE megatron_id_prefix_cache_bytes gauge" in text
 
 
+def test_a_request_aiohttp_cannot_parse_gets_a_json_error_too(trained):
+    """Before: a garbage request line or a header over 8 KB got aiohttp's plain-text 400 (it never
+    reaches the app's middleware); the server promises a JSON error for every error."""
+    from megatron_id.inference.openai_app import json_protocol_errors
+    json_protocol_errors()
+
+    async def body(client, engine):
+        answers = []
+        for raw in (b"GARBAGE\r\n\r\n",
+                    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"):
+            reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+            writer.write(raw)
+            await writer.drain()
+            answers.append((await asyncio.wait_for(reader.read(65536), 10)).decode(errors="replace"))
+            writer.close()
+        return answers
+    for answer in serve(trained, body):
+        head, _, payload = answer.partition("\r\n\r\n")
+        assert head.split("\r\n")[0].endswith(" 400 Bad Request") and "application/json" in head, answer
+        assert json.loads(payload)["error"]["message"].startswith("400 Bad Request: the request could not be read")
+
+
 def test_chat_content_parts_and_the_developer_role_read_as_text_and_system(trained):
     """The openai client's content parts ([{"type": "text", "text": ...}]) and its `developer`
     role got 400; parts are joined, developer is rendered as system (what templates know)."""

@@ -56,6 +56,32 @@ def engine_failed():
     return error_response(status, message, kind="server_error", code=code)
 
 
+def json_protocol_errors() -> None:
+    """What never reaches the app (a request line aiohttp cannot parse, a header over its 8,190-byte
+    limit) aiohttp answers itself, from its protocol handler, with a plain-text 400: clients that
+    read every error as JSON (the server's promise) got text they could not parse. Its handler has
+    no hook, so `serve` re-makes that answer as OpenAI's error body (same status, the parser's
+    reason) for its own process; if aiohttp's answer ever cannot be re-made, it is sent as it is."""
+    from aiohttp import web_protocol
+    original = web_protocol.RequestHandler.handle_error
+    if getattr(original, "megatron_id_json", False):
+        return
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        response = original(self, request, status, exc, message)   # (it logs, and refuses a half-sent answer)
+        try:
+            why = f": {exc}" if status < 500 and exc is not None else ""
+            reply = error_response(status, f"{status} {response.reason}: the request could not be read as "
+                                            f"HTTP{why}", kind="invalid_request_error" if status < 500 else
+                                   "server_error")
+            reply.force_close()
+            return reply
+        except Exception:
+            return response
+    handle_error.megatron_id_json = True
+    web_protocol.RequestHandler.handle_error = handle_error
+
+
 def release_memory() -> None:
     """Give freed heap back to the system after a large request (glibc keeps it otherwise: a
     refused 4 MiB prompt left ~400 MiB of resident memory)."""

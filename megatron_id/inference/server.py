@@ -52,7 +52,7 @@ from .api import ChatTemplate
 from .batching import ContinuousBatcher, Request
 from .fused_decode import check_kv_pool, fused_decode_refusal
 from .generate import load_trained, resolve_device
-from .openai_app import DRAIN, HURRY, Busy, build_app
+from .openai_app import DRAIN, HURRY, Busy, build_app, json_protocol_errors
 from .prefix_cache import PrefixCache
 
 DEFAULT_MAX_PENDING = 1024   # requests queued or running before 503 (at least 4 x --slots); vLLM queues without bound
@@ -313,6 +313,7 @@ def serve(args) -> int:
         raise BadOptionError(f"the chat template beside {trained.tokenizer_path} does not parse ({e}): fix it, or "
                              f"remove it to serve /v1/completions only.") from None
     app = build_app(engine, trained.tokenizer, name, max_model_len, limits, chat)
+    json_protocol_errors()   # (aiohttp's own 400s, for what never reaches the app, as JSON too)
 
     async def on_startup(app):
         import signal
