@@ -166,3 +166,46 @@ def test_prompts_read_on_the_prefill_thread_take_slots_in_order_and_decode_as_al
     assert first.tokens == list(generate_ids(model, short, 30)), "the running sequence"
     for i in (0, 1, 3):
         assert later[i].tokens == list(generate_ids(model, longs[i], 4)), i
+
+
+@pytest.mark.parametrize("items", [[], ["model.mixer=s4d"]], ids=["interdomain", "s4d"])
+def test_prompts_read_together_left_padded_give_the_logits_and_states_of_each_read_alone(items):
+    """read_together (the prefill thread's batched read, issue 55): each row's last logits and
+    state equal prefill's of that prompt alone (float64: to 1e-10), padding included."""
+    from megatron_id.inference.batching import read_together
+    from megatron_id.inference.generate import prefill
+    model = tiny(items)
+    ps = prompts(5, seed=4)
+    with torch.no_grad():
+        together = read_together(model, ps)
+        for p, (logits, states) in zip(ps, together):
+            want_logits, want_states = prefill(model, p, 2048)
+            assert torch.allclose(logits, want_logits, atol=1e-10, rtol=0)
+            for got, want in zip(states, want_states):
+                assert torch.allclose(got["ssm"], want["ssm"], atol=1e-10, rtol=0)
+                for name, tail in want["conv"].items():
+                    assert torch.allclose(got["conv"][name], tail, atol=1e-10, rtol=0), name
+
+
+def test_the_prefill_thread_reads_waiting_prompts_together_and_each_completes_as_alone():
+    """The prefill thread takes every prompt waiting (up to prefill_batch) and reads them in
+    left-padded groups of similar length; greedy and sampled completions equal generate's alone.
+    A hybrid (softmax layers keep a KV cache) reads one at a time."""
+    model = tiny([], dtype=torch.float32)
+    ps = prompts(8, seed=6)
+    batcher = ContinuousBatcher(model, slots=8, prefill_thread=True, prefill_batch=8)
+    try:
+        sequences = [batcher.submit(Request(p, 6, temperature=1.0 if i % 2 else 0.0, seed=i))
+                     for i, p in enumerate(ps)]
+        while batcher.busy():
+            batcher.step()
+        assert batcher.batched_reads >= 1
+    finally:
+        batcher.close()
+    for i, (p, sequence) in enumerate(zip(ps, sequences)):
+        alone = list(generate_ids(model, p, 6, temperature=1.0 if i % 2 else 0.0,
+                                  generator=torch.Generator().manual_seed(i)))
+        assert sequence.tokens == alone, i
+    hybrid = ContinuousBatcher(tiny(["model.layer_pattern=IAIW", "model.window=6"], dtype=torch.float32), slots=2,
+                               capacity=64, prefill_batch=8)
+    assert hybrid.prefill_batch == 1

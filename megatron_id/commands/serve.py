@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the running requests get to finish (default 30)")
     sv.add_argument("--prefill-chunk-size", type=int, default=2048)
+    sv.add_argument("--prefill-batch", type=int, default=32,
+                    help="prompts waiting to be read that the prefill thread reads in one call, left-padded in "
+                         "groups of similar length (default 32; 1: one at a time, as before issue 55; models "
+                         "with softmax layers read one at a time)")
     sv.add_argument("--prefix-cache-mib", type=float, default=512.0,
                     help="memory for the states after prompt prefixes shared by several requests (a system "
                          "prompt, few-shot examples): a prompt starts from the longest one it begins with; "
@@ -86,7 +90,7 @@ def run(args) -> int:
     from ..inference.generate import check_options  # torch: not at import (cli.py)
     for option, value, least in (("--slots", args.slots, 1), ("--port", args.port, 0),
                                  ("--max-pending", args.max_pending, 1), ("--max-model-len", args.max_model_len, 2),
-                                 ("--threads", args.threads, 1)):
+                                 ("--threads", args.threads, 1), ("--prefill-batch", args.prefill_batch, 1)):
         if value is not None and value < least:
             raise BadOptionError(f"{option} {value}: at least {least}.")
     for option, value in (("--read-timeout", args.read_timeout), ("--max-body-size", args.max_body_size)):

@@ -72,9 +72,15 @@ class ContinuousBatcher:
     is the GPU engines' answer to the same stall, by a token budget per step)."""
 
     def __init__(self, model, slots: int, capacity: int | None = None, prefill_chunk_size: int = 2048,
-                 compile: bool = False, prefill_thread: bool = False, prefix_cache=None):
+                 compile: bool = False, prefill_thread: bool = False, prefix_cache=None, prefill_batch: int = 1):
         self.model, self.prefill_chunk_size = model, prefill_chunk_size
         self.prefix_cache = prefix_cache   # inference/prefix_cache.py (megatron-id serve), or None
+        # prompts the prefill thread reads in one call (read_together), where every layer keeps a
+        # fixed-size state (a softmax layer's KV cache of a left-padded row is not one the decoder loads)
+        self.prefill_batch = prefill_batch if all(
+            hasattr(block.mixer, "decode_facts") and block.mixer.decode_facts().fixed_size
+            for block in model.layers) else 1
+        self.batched_reads = 0    # calls that read more than one prompt (a test's and a benchmark's count)
         self.device = next(model.parameters()).device
         self.decoder = FusedDecoder(model, slots=slots, capacity=capacity, compile=compile)
         self.capacity = capacity if self.decoder.unbounded else None
@@ -107,18 +113,52 @@ class ContinuousBatcher:
             sequence = self._to_read.get()
             if sequence is None:
                 return
-            try:
+            taken, closing = [sequence], False
+            while len(taken) < self.prefill_batch:   # whatever else waits, up to prefill_batch
+                try:
+                    more = self._to_read.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                taken.append(more)
+            alone, together = [], []
+            for sequence in taken:
                 if sequence.cancelled:
                     self._read.put((sequence, None, None, None))
                     continue
-                with torch.no_grad(), stream:   # (grad mode is per thread)
-                    logits, states = prefill_cached(self.model, sequence.request.prompt, self.prefill_chunk_size,
-                                                    self.prefix_cache)
-                if self._stream is not None:
-                    self._stream.synchronize()   # the decode stream reads these states next
-                self._read.put((sequence, logits, states, None))
-            except Exception as error:
-                self._read.put((sequence, None, None, error))
+                prompt = sequence.request.prompt
+                plan = self.prefix_cache.plan(prompt) if self.prefix_cache is not None else None
+                # from a saved prefix, saving one, or longer than a chunk: read alone
+                if len(taken) > 1 and len(prompt) <= self.prefill_chunk_size and (plan is None or plan[0] == 0
+                                                                                   and plan[2] is None):
+                    together.append(sequence)
+                else:
+                    alone.append((sequence, plan))
+            for group in padded_groups(together):
+                try:
+                    with torch.no_grad(), stream:
+                        read = read_together(self.model, [s.request.prompt for s in group])
+                    if self._stream is not None:
+                        self._stream.synchronize()
+                    self.batched_reads += len(group) > 1
+                    for sequence, (logits, states) in zip(group, read):
+                        self._read.put((sequence, logits, states, None))
+                except Exception:   # each alone, so that the one at fault fails by itself
+                    alone += [(s, None) for s in group]
+            for sequence, plan in alone:
+                try:
+                    with torch.no_grad(), stream:   # (grad mode is per thread)
+                        logits, states = prefill_cached(self.model, sequence.request.prompt,
+                                                        self.prefill_chunk_size, self.prefix_cache, plan)
+                    if self._stream is not None:
+                        self._stream.synchronize()   # the decode stream reads these states next
+                    self._read.put((sequence, logits, states, None))
+                except Exception as error:
+                    self._read.put((sequence, None, None, error))
+            if closing:
+                return
 
     def check(self, request: Request) -> None:
         """Refuse what could never be served (before it is queued)."""
@@ -292,6 +332,46 @@ class ContinuousBatcher:
                 self._fail(sequence, error, events)
                 continue
             self._emit(sequence, token, events)
+
+
+def padded_groups(sequences: list, waste: float = 0.25, length=lambda s: len(s.request.prompt)) -> list[list]:
+    """Sequences in groups to read as left-padded batches: longest first, one joins the current
+    group while the group's padding stays within `waste` of its real tokens (a 1,000-token prompt
+    and a 5-token one are not padded to one size)."""
+    groups, group, real = [], [], 0
+    for item in sorted(sequences, key=length, reverse=True):
+        n = length(item)
+        if group and (len(group) + 1) * length(group[0]) > (1 + waste) * (real + n):
+            groups.append(group)
+            group, real = [], 0
+        group.append(item)
+        real += n
+    return groups + [group] if group else groups
+
+
+def read_together(model, prompts: list[list[int]]) -> list[tuple]:
+    """Prompts read in one call, left-padded to the longest (`start`: each row's first real token;
+    the mixers leave no trace of padding in a row's state, model/mixers), -> (logits [1, 1, V] at
+    each prompt's last token, its states, batch 1) per prompt, as prefill gives them alone."""
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    starts = [width - len(p) for p in prompts]
+    for row, (prompt, start) in enumerate(zip(prompts, starts)):
+        tokens[row, start:] = torch.tensor(prompt, device=device)
+    hidden, states = model(tokens, start=torch.tensor(starts, device=device), return_states=True,
+                           return_hidden=True)
+    logits = model.lm_head(hidden[:, -1:])
+
+    def row(value, j):
+        if isinstance(value, torch.Tensor):
+            return value[j:j + 1] if value.dim() and value.shape[0] == len(prompts) else value
+        if isinstance(value, dict):
+            return {k: (None if k == "tables" else row(v, j)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(row(v, j) for v in value)
+        return value
+    return [(logits[j:j + 1], row(states, j)) for j in range(len(prompts))]
 
 
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, slots: int = 8, eos_id=None,

@@ -127,14 +127,15 @@ class PrefixCache:
                     "block": self.block, "hits": self.hits, "misses": self.misses, "tokens_saved": self.tokens_saved}
 
 
-def prefill_cached(model, prompt: list[int], chunk_size: int, cache: PrefixCache | None):
+def prefill_cached(model, prompt: list[int], chunk_size: int, cache: PrefixCache | None, plan=None):
     """generate.prefill through the cache: from the longest saved prefix, the rest read in chunks
     of `chunk_size`, split once more where a shared prefix's state is to be saved. Returns
-    (logits at the last token, the states after the prompt)."""
+    (logits at the last token, the states after the prompt). plan: cache.plan(prompt), if the
+    caller made it already."""
     from .generate import prefill
     if cache is None:
         return prefill(model, prompt, chunk_size)
-    start, states, save = cache.plan(prompt)
+    start, states, save = plan if plan is not None else cache.plan(prompt)
     tokens = torch.tensor([prompt], device=next(model.parameters()).device)
     position = start
     while position < len(prompt):

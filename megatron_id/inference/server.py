@@ -304,7 +304,7 @@ def serve(args) -> int:
              if args.prefix_cache_mib > 0 else None)
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
                                 prefill_chunk_size=args.prefill_chunk_size, prefill_thread=not args.inline_prefill,
-                                prefix_cache=cache)
+                                prefix_cache=cache, prefill_batch=args.prefill_batch)
     engine = Engine(batcher, args.max_pending or max(DEFAULT_MAX_PENDING, 4 * args.slots), trained.eod)
     template = chat_template_of(trained.tokenizer_path)
     try:

@@ -32,6 +32,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, Suppo
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from ..inference import batching
 from ..model.language_model import LanguageModel
 from ..model.layers import apply_rope
 from ..model.mixers.decode import fixed_state_between_kernel, state_dtype
@@ -217,18 +218,10 @@ class FixedStateLayer(MambaBase, nn.Module):
 
 
 def padded_groups(prompts: list[tuple[int, int, int]], waste: float = 0.25) -> list[list[tuple[int, int, int]]]:
-    """Prompts (from, to, slot) in groups to run as left-padded batches: longest first, a prompt
-    joins the current group while the group's padding stays within `waste` of its real tokens
-    (a 1,000-token prompt and a 5-token one are not padded to one size)."""
-    groups, group, real = [], [], 0
-    for prompt in sorted(prompts, key=lambda p: p[0] - p[1]):
-        n = prompt[1] - prompt[0]
-        if group and (len(group) + 1) * (group[0][1] - group[0][0]) > (1 + waste) * (real + n):
-            groups.append(group)
-            group, real = [], 0
-        group.append(prompt)
-        real += n
-    return groups + [group] if group else groups
+    """Prompts (from, to, slot) in groups to run as left-padded batches (`megatron-id serve`'s
+    grouping, inference/batching.py: longest first, a group's padding within `waste` of its real
+    tokens)."""
+    return batching.padded_groups(prompts, waste, length=lambda p: p[1] - p[0])
 
 
 def fixed_state_kernel(x: torch.Tensor):
