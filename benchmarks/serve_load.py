@@ -73,12 +73,14 @@ async def load(url: str) -> dict:
         quiet_to = time.monotonic()
         firsts = [[] for _ in range(BURST)]
         arrivals = []
-        prompt = " the" * PROMPT_TOKENS   # one GPT-2 token each
+        # one GPT-2 token each, opened by the prompt's number: no two share a prefix (the server's
+        # prefix cache would otherwise read one prompt for all)
+        prompts = [f"{i}" + " the" * (PROMPT_TOKENS - 1) for i in range(BURST)]
 
         async def late(i):
             await asyncio.sleep(i * STAGGER)
             arrivals.append((time.monotonic(), i))
-            await stream(session, url, {"prompt": prompt, "max_tokens": 4, "temperature": 0}, firsts[i])
+            await stream(session, url, {"prompt": prompts[i], "max_tokens": 4, "temperature": 0}, firsts[i])
         await asyncio.gather(*(late(i) for i in range(BURST)))
         burst_from, burst_to = min(a for a, _ in arrivals), max(f[0] for f in firsts)
         stop.set()

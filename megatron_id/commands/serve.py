@@ -25,9 +25,9 @@ def add_parser(sub) -> None:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM / SIGINT: seconds the running requests get to finish (default 30)")
     sv.add_argument("--prefill-chunk-size", type=int, default=2048)
-    sv.add_argument("--prefill-batch", type=int, default=32,
+    sv.add_argument("--prefill-batch", type=int, default=8,
                     help="prompts waiting to be read that the prefill thread reads in one call, left-padded in "
-                         "groups of similar length (default 32; 1: one at a time, as before issue 55; models "
+                         "groups of similar length (default 8; 1: one at a time, as before issue 55; models "
                          "with softmax layers read one at a time)")
     sv.add_argument("--prefix-cache-mib", type=float, default=512.0,
                     help="memory for the states after prompt prefixes shared by several requests (a system "
