@@ -457,6 +457,33 @@ def test_the_prefix_cache_evicts_the_least_recently_used_within_its_bytes():
     assert cache.entries[keys[0]][0][0]["tables"] is None and cache.entries[keys[0]][0][0]["ssm"] is not state[0]["ssm"]
 
 
+def test_the_openai_clients_n_logprobs_top_p_and_echo(trained):
+    """The acceptance's wording: the openai client library's own calls with n, logprobs, top_p and
+    echo (completions) and logprobs / top_logprobs (chat), as a client sends them."""
+    from openai import OpenAI
+
+    def calls(port):
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        plain = client.completions.create(model="hf", prompt=CANARY, max_tokens=4, temperature=0, n=2,
+                                          logprobs=2, top_p=0.9, echo=True)
+        chat = client.chat.completions.create(model="hf", messages=[{"role": "user", "content": CANARY}],
+                                              max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+        return plain, chat
+
+    async def body(client, engine):
+        return await asyncio.get_running_loop().run_in_executor(None, calls, client.server.port)
+    plain, chat = serve(trained, body, chat=ChatTemplate(CHATML, {"bos_token": "", "eos_token": ""}))
+    want = greedy(trained, CANARY, 4)
+    assert [c.index for c in plain.choices] == [0, 1]
+    for c in plain.choices:
+        assert c.text == CANARY + want and c.finish_reason == "length"
+        assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(c.logprobs.token_logprobs)
+        assert "".join(c.logprobs.tokens) == c.text and all(len(top) >= 2 for top in c.logprobs.top_logprobs[1:])
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(e.top_logprobs) == 2 for e in content)
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+
+
 def greedy_ids(trained, ids, n):
     return list(generate_ids(trained.model, ids, n, decode="eager"))
 
