@@ -188,6 +188,10 @@ def parse_sampling(body: dict) -> Sampling:
                     repetition_penalty=repetition, logit_bias=tuple(sorted(pairs)))
 
 
+def is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)   # (JSON's true is Python's int too)
+
+
 def parse_prompts(value) -> list:
     """OpenAI's `prompt`: a string, a list of strings, a list of token ids, or a list of lists of
     token ids -> a non-empty list of prompts, each a string or a list of ids (ids checked against
@@ -198,13 +202,13 @@ def parse_prompts(value) -> list:
                 raise BadRequest(f"{where} gives no tokens: send some text", "prompt")
             check_text(item, where)
             return item
-        if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+        if isinstance(item, list) and item and all(map(is_token_id, item)):
             return item
         raise BadRequest(f"{where} must be a string or a non-empty list of token ids (integers), not "
                          f"{str(item)[:100]}", "prompt")
     if isinstance(value, str):
         return [one(value, "prompt")]
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and value and all(map(is_token_id, value)):
         return [value]   # one prompt of token ids
     if isinstance(value, list) and value:
         return [one(item, f"prompt[{i}]") for i, item in enumerate(value)]

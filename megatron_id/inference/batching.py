@@ -29,7 +29,7 @@ import torch
 from ..errors import BadOptionError
 from .fused_decode import FusedDecoder
 from .generate import NEUTRAL_SAMPLING, Sampling, sample_with
-from .prefix_cache import prefill_cached
+from .prefix_cache import map_state, prefill_cached
 
 
 @dataclass
@@ -133,20 +133,20 @@ class ContinuousBatcher:
                 # from a saved prefix, saving one, or longer than a chunk: read alone
                 if len(taken) > 1 and len(prompt) <= self.prefill_chunk_size and (plan is None or plan[0] == 0
                                                                                    and plan[2] is None):
-                    together.append(sequence)
+                    together.append((sequence, plan))
                 else:
                     alone.append((sequence, plan))
-            for group in padded_groups(together):
+            for group in padded_groups(together, length=lambda item: len(item[0].request.prompt)):
                 try:
                     with torch.no_grad(), stream:
-                        read = read_together(self.model, [s.request.prompt for s in group])
+                        read = read_together(self.model, [s.request.prompt for s, _ in group])
                     if self._stream is not None:
                         self._stream.synchronize()
                     self.batched_reads += len(group) > 1
-                    for sequence, (logits, states) in zip(group, read):
+                    for (sequence, _), (logits, states) in zip(group, read):
                         self._read.put((sequence, logits, states, None))
-                except Exception:   # each alone, so that the one at fault fails by itself
-                    alone += [(s, None) for s in group]
+                except Exception:   # each alone (its plan kept: not counted twice): the one at fault fails alone
+                    alone += group
             for sequence, plan in alone:
                 try:
                     with torch.no_grad(), stream:   # (grad mode is per thread)
@@ -334,12 +334,12 @@ class ContinuousBatcher:
             self._emit(sequence, token, events)
 
 
-def padded_groups(sequences: list, waste: float = 0.25, length=lambda s: len(s.request.prompt)) -> list[list]:
-    """Sequences in groups to read as left-padded batches: longest first, one joins the current
-    group while the group's padding stays within `waste` of its real tokens (a 1,000-token prompt
-    and a 5-token one are not padded to one size)."""
+def padded_groups(items: list, waste: float = 0.25, length=len) -> list[list]:
+    """Prompts (items whose `length` is their tokens) in groups to read as left-padded batches:
+    longest first, one joins the current group while the group's padding stays within `waste` of
+    its real tokens (a 1,000-token prompt and a 5-token one are not padded to one size)."""
     groups, group, real = [], [], 0
-    for item in sorted(sequences, key=length, reverse=True):
+    for item in sorted(items, key=length, reverse=True):
         n = length(item)
         if group and (len(group) + 1) * length(group[0]) > (1 + waste) * (real + n):
             groups.append(group)
@@ -363,15 +363,9 @@ def read_together(model, prompts: list[list[int]]) -> list[tuple]:
                            return_hidden=True)
     logits = model.lm_head(hidden[:, -1:])
 
-    def row(value, j):
-        if isinstance(value, torch.Tensor):
-            return value[j:j + 1] if value.dim() and value.shape[0] == len(prompts) else value
-        if isinstance(value, dict):
-            return {k: (None if k == "tables" else row(v, j)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(row(v, j) for v in value)
-        return value
-    return [(logits[j:j + 1], row(states, j)) for j in range(len(prompts))]
+    def row(j):   # row j of every batch tensor of the states
+        return lambda t: t[j:j + 1] if t.dim() and t.shape[0] == len(prompts) else t
+    return [(logits[j:j + 1], map_state(states, row(j))) for j in range(len(prompts))]
 
 
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, slots: int = 8, eos_id=None,

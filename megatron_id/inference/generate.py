@@ -210,17 +210,27 @@ def prefill(model: LanguageModel, prompt: list[int], chunk_size: int):
 GREEDY_BELOW = 1e-5   # temperatures below this draw greedily (logits / 1e-40 overflow to inf, softmax to NaN)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:
+def sample(logits: torch.Tensor, temperature: float, top_k: int, generator, top_p: float = 1.0,
+           min_p: float = 0.0) -> int:
     """The next token from logits [V]: greedy at temperature 0 (and below GREEDY_BELOW, where
     the distribution is the argmax's to float precision; vLLM draws the same line), else
-    softmax(logits / temperature) over the top_k largest (0: all), drawn with `generator`."""
+    softmax(logits / temperature) over the top_k largest (0: all), then, when below 1 / above 0,
+    only the smallest set of likeliest tokens whose probability reaches top_p and the tokens of at
+    least min_p x the likeliest's probability, drawn with `generator`."""
     logits = logits.float()
     if temperature < GREEDY_BELOW:
         return int(logits.argmax())
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        before = ordered.cumsum(0) - ordered   # the probability of the likelier tokens
+        probs[order[before >= top_p]] = 0.0   # (the likeliest always stays)
+    if min_p > 0.0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @dataclass(frozen=True)
@@ -239,44 +249,30 @@ class Sampling:
     repetition_penalty: float = 1.0
     logit_bias: tuple = ()   # ((token id, bias), ...)
 
-    def neutral(self) -> bool:
-        return self == NEUTRAL_SAMPLING
-
 
 NEUTRAL_SAMPLING = Sampling()
 
 
 def sample_with(logits: torch.Tensor, temperature: float, top_k: int, generator, sampling: Sampling,
                 prompt: list[int], output: list[int]) -> int:
-    """`sample` with `sampling`'s parameters (vLLM's order: bias, penalties, temperature, top_k,
-    top_p, min_p); with neutral ones, exactly `sample`. prompt / output: the sequence's tokens so
-    far, for the penalties."""
-    if sampling.neutral():
-        return sample(logits, temperature, top_k, generator)
-    logits = logits.float().clone()
-    for token, bias in sampling.logit_bias:
-        logits[token] += bias
-    if sampling.repetition_penalty != 1.0 and (prompt or output):
-        seen = torch.tensor(sorted(set(prompt) | set(output)), device=logits.device)
-        values = logits[seen]
-        penalty = sampling.repetition_penalty
-        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    if output and (sampling.frequency_penalty or sampling.presence_penalty):
-        counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.numel())[:logits.numel()]
-        logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
-    if temperature < GREEDY_BELOW:
-        return int(logits.argmax())
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits / temperature, -1)
-    if sampling.top_p < 1.0:
-        ordered, order = probs.sort(descending=True)
-        before = ordered.cumsum(0) - ordered   # the probability of the likelier tokens
-        probs[order[before >= sampling.top_p]] = 0.0   # (the likeliest always stays)
-    if sampling.min_p > 0.0:
-        probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """`sample` after `sampling`'s logit_bias and penalties (vLLM's order: bias, penalties,
+    temperature, top_k, top_p, min_p); with neutral ones, exactly `sample`. prompt / output: the
+    sequence's tokens so far, for the penalties."""
+    if sampling.logit_bias or sampling.repetition_penalty != 1.0 or sampling.frequency_penalty or \
+            sampling.presence_penalty:
+        logits = logits.float().clone()
+        for token, bias in sampling.logit_bias:
+            logits[token] += bias
+        if sampling.repetition_penalty != 1.0 and (prompt or output):
+            seen = torch.tensor(sorted(set(prompt) | set(output)), device=logits.device)
+            values = logits[seen]
+            penalty = sampling.repetition_penalty
+            logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+        if output and (sampling.frequency_penalty or sampling.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, device=logits.device),
+                                    minlength=logits.numel())[:logits.numel()]
+            logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
+    return sample(logits, temperature, top_k, generator, sampling.top_p, sampling.min_p)
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ from .api import (
     check_prompt_bytes,
     check_text,
     decode_body,
+    is_token_id,
     longest_token_bytes,
     parse_chat,
     parse_completion,
@@ -487,11 +488,9 @@ class OpenAIApp:
             if not isinstance(body, dict) or set(body) - {"model", "tokens"} or not isinstance(tokens, list):
                 raise BadRequest("the body must be {\"tokens\": a list of token ids} (and optionally \"model\")",
                                  "tokens")
-            vocabulary = self.vocabulary
-            for i, token in enumerate(tokens):
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocabulary:
-                    raise BadRequest(f"tokens[{i}] = {token!r}: token ids are integers from 0 to {vocabulary - 1}",
-                                     "tokens")
+            if not all(is_token_id(t) for t in tokens):
+                raise BadRequest(f"tokens must be integers, not {str(tokens)[:100]}", "tokens")
+            check_ids(tokens, self.vocabulary, "tokens", "tokens")
         except BadRequest as e:
             return error_response(e.status, str(e), e.param)
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})

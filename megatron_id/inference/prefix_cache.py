@@ -35,25 +35,28 @@ import torch
 MAX_REMEMBERED = 200_000   # block boundaries remembered (16-byte keys), least recently seen forgotten
 
 
-def clone_state(value):
-    """A deep copy of a model state (tensors cloned; "tables", parameter-only, left to be rebuilt)."""
+def map_state(value, fn):
+    """A model state (lists and dicts of tensors, as model(..., return_states=True) gives them)
+    with fn applied to each tensor; "tables", parameter-only, left out (None: rebuilt when needed)."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        return fn(value)
     if isinstance(value, dict):
-        return {k: (None if k == "tables" else clone_state(v)) for k, v in value.items()}
+        return {k: (None if k == "tables" else map_state(v, fn)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(clone_state(v) for v in value)
+        return type(value)(map_state(v, fn) for v in value)
     return value
 
 
+def clone_state(value):
+    """A deep copy of a model state (map_state)."""
+    return map_state(value, torch.Tensor.clone)
+
+
 def state_bytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(state_bytes(v) for k, v in value.items() if k != "tables")
-    if isinstance(value, (list, tuple)):
-        return sum(state_bytes(v) for v in value)
-    return 0
+    """The bytes of a model state's tensors ("tables" not counted: map_state)."""
+    sizes = []
+    map_state(value, lambda t: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
 
 
 class PrefixCache:

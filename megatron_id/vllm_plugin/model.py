@@ -129,7 +129,7 @@ class FixedStateLayer(MambaBase, nn.Module):
                     fresh.append((a, b, slot))
                 else:
                     self.prefill_one(x, positions, a, b, slot, cont, out)
-            for group in padded_groups(fresh):
+            for group in batching.padded_groups(fresh, length=lambda p: p[1] - p[0]):   # (from, to, slot)
                 self.prefill_together(x, positions, group, out)
         return out
 
@@ -215,13 +215,6 @@ class FixedStateLayer(MambaBase, nn.Module):
             for j, i in enumerate(rows):
                 buffer[i].copy_(t[name][j])
         return y
-
-
-def padded_groups(prompts: list[tuple[int, int, int]], waste: float = 0.25) -> list[list[tuple[int, int, int]]]:
-    """Prompts (from, to, slot) in groups to run as left-padded batches (`megatron-id serve`'s
-    grouping, inference/batching.py: longest first, a group's padding within `waste` of its real
-    tokens)."""
-    return batching.padded_groups(prompts, waste, length=lambda p: p[1] - p[0])
 
 
 def fixed_state_kernel(x: torch.Tensor):

@@ -137,14 +137,15 @@ def inference_tables(log_dt, a_log, a_im, c_re, c_im, *, readout, c_vec, chunk_s
     55-token read). Keyed on the parameters' values themselves (their bytes, hashed: ~5 KB a
     layer), not on their identity or version counter, which an in-place write through `.data`
     (DeepSpeed's ZeRO does them) leaves unchanged: a stale table is impossible. With a
-    gradient wanted, the tables are built as before (they are in the graph)."""
+    gradient wanted, the tables are built as before (they are in the graph); on a GPU too (hashing
+    would copy the parameters to the host, a synchronisation, at every call)."""
     params = [t for t in (log_dt, a_log, a_im, c_re, c_im, c_vec) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in params):
+    if params[0].device.type != "cpu" or torch.is_grad_enabled() and any(t.requires_grad for t in params):
         return chunk_tables(log_dt, a_log, a_im, c_re, c_im, readout=readout, c_vec=c_vec, chunk_size=chunk_size,
                             dtype=dtype)
     digest = hashlib.blake2b(digest_size=16)
     for t in params:
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
         digest.update(str((t.dtype, tuple(t.shape))).encode())
     key = (digest.digest(), readout, c_vec is None, chunk_size, dtype, params[0].device)
     tab = _TABLES.get(key)
