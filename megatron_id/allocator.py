@@ -1,5 +1,5 @@
-"""glibc's malloc settings for training, set where the stack starts (`megatron-id train`, and
-the ranks `megatron-id train --nproc N` starts), not in one script.
+"""glibc's malloc settings for training and serving, set where the stack starts (`megatron-id
+train`, the ranks `megatron-id train --nproc N` starts, `megatron-id serve`), not in one script.
 
 By default glibc returns large freed blocks to the OS at once, and every step maps them again:
 the page faults make long sequences and 50K-wide logits look far slower than they compute

@@ -209,3 +209,61 @@ def test_the_prefill_thread_reads_waiting_prompts_together_and_each_completes_as
     hybrid = ContinuousBatcher(tiny(["model.layer_pattern=IAIW", "model.window=6"], dtype=torch.float32), slots=2,
                                capacity=64, prefill_batch=8)
     assert hybrid.prefill_batch == 1
+
+
+@pytest.mark.parametrize("budget", [1024, 1], ids=["within-budget", "over-budget"])
+def test_while_nothing_decodes_the_batchers_thread_reads_waiting_prompts_too(monkeypatch, budget):
+    """idle_reads (serve's default): with no sequence to decode, the batcher's thread takes
+    waiting prompts off the prefill thread's queue (up to IDLE_READ_TOKENS) and reads them itself;
+    every completion still equals generate's alone. A prompt over the budget is left to the prefill
+    thread (budget 1: every one)."""
+    import threading
+    import time
+
+    from megatron_id.inference import batching
+    monkeypatch.setattr(batching, "IDLE_READ_TOKENS", budget)
+    model = tiny([], dtype=torch.float32)
+    ps = prompts(12, seed=9)
+    batcher = ContinuousBatcher(model, slots=16, prefill_thread=True, prefill_batch=4, idle_reads=True)
+    reads_by_thread = {"megatron-id-prefill": 0, "main": 0}
+    own = batcher._read_taken
+
+    def counted(taken, *args):
+        name = threading.current_thread().name
+        reads_by_thread[name if name in reads_by_thread else "main"] += len(taken)
+        if name == "megatron-id-prefill" and budget > 1:
+            # hold the prefill thread's first group until the batcher's thread has read one of its own
+            deadline = time.monotonic() + 20
+            while batcher.idle_reads == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return own(taken, *args)
+    batcher._read_taken = counted
+    try:
+        sequences = [batcher.submit(Request(p, 5, temperature=1.0 if i % 2 else 0.0, seed=i))
+                     for i, p in enumerate(ps)]
+        while batcher.busy():
+            batcher.step()
+    finally:
+        batcher.close()
+    if budget > 1:
+        assert batcher.idle_reads > 0 and reads_by_thread["main"] == batcher.idle_reads
+        assert reads_by_thread["megatron-id-prefill"] > 0
+    else:
+        assert batcher.idle_reads == 0 and reads_by_thread == {"megatron-id-prefill": 12, "main": 0}
+    for i, (p, sequence) in enumerate(zip(ps, sequences)):
+        alone = list(generate_ids(model, p, 5, temperature=1.0 if i % 2 else 0.0,
+                                  generator=torch.Generator().manual_seed(i)))
+        assert sequence.tokens == alone, i
+
+
+def test_without_idle_reads_only_the_prefill_thread_reads():
+    model = tiny([], dtype=torch.float32)
+    batcher = ContinuousBatcher(model, slots=8, prefill_thread=True, prefill_batch=4)   # idle_reads off
+    try:
+        for p in prompts(8, seed=10):
+            batcher.submit(Request(p, 3))
+        while batcher.busy():
+            batcher.step()
+    finally:
+        batcher.close()
+    assert batcher.idle_reads == 0

@@ -275,9 +275,8 @@ def test_echo_and_logprobs_are_the_models_own_and_lm_evals_parser_reads_them(tra
         chat = await post_raw_to(client, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": context}], "max_tokens": 4, "temperature": 0,
             "logprobs": True, "top_logprobs": 2})
-        streamed = await post_raw_to(client, "/v1/completions", {"prompt": context, "logprobs": 1, "stream": True})
-        return lm_eval_like, generated, chat, streamed
-    (c1, scored), (c2, generated), (c3, chat), (c4, streamed) = serve(
+        return lm_eval_like, generated, chat
+    (c1, scored), (c2, generated), (c3, chat) = serve(
         trained, body, chat=ChatTemplate(CHATML, {"bos_token": "", "eos_token": ""}))
     assert c1 == c2 == c3 == 200, (scored, generated, chat)
     for ids, choice in zip(batch, scored["choices"]):
@@ -305,7 +304,54 @@ def test_echo_and_logprobs_are_the_models_own_and_lm_evals_parser_reads_them(tra
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and "".join(e["token"] for e in content) == chat["choices"][0]["message"]["content"]
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in content)
-    assert c4 == 400 and "without stream only" in streamed["error"]["message"], streamed
+
+
+def test_streams_carry_each_tokens_logprobs_as_it_comes(trained):
+    """Before: logprobs with stream got 400. Each chunk carries the logprobs of the tokens it
+    sends (the engine's own, from the logits it sampled from): over the stream they equal the
+    model's log-softmax, text_offset runs on from the echoed prompt, chat's chunks carry
+    content entries; the top alternatives are the likeliest there."""
+    context = "The water cycle"
+    ctx = trained.tokenizer.encode(context).ids
+
+    async def body(client, engine):
+        _, plain, _ = await stream_text(client, context, 6, logprobs=3)
+        _, echoed, _ = await stream_text(client, context, 2, logprobs=1, echo=True)
+        reply = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": context}], "max_tokens": 4, "temperature": 0, "stream": True,
+            "logprobs": True, "top_logprobs": 2})
+        chat = [json.loads(line[6:]) for line in (await reply.text()).splitlines() if line.startswith("data: {")]
+        return plain, echoed, chat
+    plain, echoed, chat = serve(trained, body, chat=ChatTemplate(CHATML, {"bos_token": "", "eos_token": ""}))
+
+    def joined(events):
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in events:
+            for choice in e["choices"]:
+                for key in out:
+                    out[key] += (choice["logprobs"] or {}).get(key, [])
+        return out
+    got = joined(plain)
+    completion = greedy_ids(trained, ctx, 6)
+    want, table = model_logprobs(trained, ctx + completion)
+    text = "".join(c["text"] for e in plain for c in e["choices"])
+    assert len(got["tokens"]) == 6 and "".join(got["tokens"]) == text
+    assert max(abs(a - b) for a, b in zip(got["token_logprobs"], want[len(ctx) - 1:])) < 1e-4, got
+    assert all(len(top) == 3 and max(top.values()) == lp for top, lp in zip(got["top_logprobs"], got["token_logprobs"]))
+    for place, top in zip(range(len(ctx) - 1, len(ctx) + 5), got["top_logprobs"]):
+        best = table[place].topk(3).indices.tolist()
+        assert {trained.tokenizer.decode([t]) for t in best} == set(top), place
+    assert got["text_offset"] == [sum(len(t) for t in got["tokens"][:i]) for i in range(6)]
+    # echo: the prompt's tokens first (the first has none), then the completion's, offsets running on
+    got = joined(echoed)
+    want, _ = model_logprobs(trained, ctx + greedy_ids(trained, ctx, 2))
+    assert got["token_logprobs"][0] is None and len(got["tokens"]) == len(ctx) + 2
+    assert max(abs(a - b) for a, b in zip(got["token_logprobs"][1:], want)) < 1e-4
+    assert got["text_offset"] == [sum(len(t) for t in got["tokens"][:i]) for i in range(len(ctx) + 2)]
+    content = [entry for e in chat for c in e["choices"] if c["logprobs"] for entry in c["logprobs"]["content"]]
+    said = "".join(c["delta"].get("content", "") for e in chat for c in e["choices"])
+    assert len(content) == 4 and "".join(e["token"] for e in content) == said
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"] for e in content)
 
 
 def test_echo_in_a_stream_sends_each_prompt_first(trained):

@@ -157,8 +157,6 @@ def parse_completion(body, max_model_len: int, default_max_tokens: int | None = 
     # and top_k, as vLLM gives them); lm-eval scores with echo + logprobs
     settings["logprobs"] = None if body.get("logprobs") is None else number(body, "logprobs", 0, int, 0, MAX_LOGPROBS)
     settings["sampling"] = parse_sampling(body)
-    if stream and settings["logprobs"] is not None:
-        raise BadRequest("logprobs are answered without stream only (for now): send stream false", "logprobs")
     return settings, prompts
 
 
@@ -280,8 +278,11 @@ def to_request(ids: list[int], settings: dict, max_model_len: int, sample: int =
         max_tokens = max_model_len - len(ids)
     seed = (settings["seed"] + sample) % (SEED_RANGE[1] + 1) if settings["seed"] is not None else \
         secrets.randbelow(SEED_RANGE[1] + 1)
+    # a stream's logprobs are the engine's, token by token; without stream the answer's are scored
+    # at the end in one pass over prompt + completion (OpenAIApp.logprobs)
     return Request(ids, max_tokens, settings["temperature"], settings["top_k"], seed,
-                   ignore_eos=settings["ignore_eos"], sampling=settings["sampling"])
+                   ignore_eos=settings["ignore_eos"], sampling=settings["sampling"],
+                   logprobs=settings["logprobs"] if settings["stream"] else None)
 
 
 class StopText:

@@ -43,6 +43,7 @@ class Request:
     name: str = ""          # how logs name it (the server's completion id)
     ignore_eos: bool = False   # the server gives it no eos_id (vLLM's ignore_eos: it runs to max_new_tokens)
     sampling: Sampling = NEUTRAL_SAMPLING   # top_p, min_p, penalties, logit_bias (generate.py)
+    logprobs: int | None = None   # score each token: its log-probability and this many likeliest (Sequence.scored)
 
 
 @dataclass
@@ -55,6 +56,42 @@ class Sequence:
     cancelled: bool = False
     error: BaseException | None = None                  # what failed it (finish_reason "error")
     reading: bool = False                               # its prompt is with the prefill thread
+    scored: list = field(default_factory=list)          # with request.logprobs: token_scores(...) per token
+
+
+class ToRead:
+    """The prompts handed to be read, oldest first: the prefill thread waits on it, the
+    batcher's thread puts to it and, while nothing decodes, takes from it too. None: the
+    closing mark."""
+    NOTHING = object()
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._ready = threading.Condition()
+
+    def put(self, *items) -> None:
+        if items:
+            with self._ready:
+                self._items.extend(items)
+                self._ready.notify()
+
+    def get(self):
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.popleft()
+
+    def take_first(self, fits):
+        """The first item if fits(it), else NOTHING (also when none waits); never waits."""
+        with self._ready:
+            if self._items and fits(self._items[0]):
+                return self._items.popleft()
+            return ToRead.NOTHING
+
+
+# [our choice] the most prompt tokens the batcher's thread reads at a time when nothing decodes
+# (_read_while_idle): 8 prompts of ~128 tokens, ~0.2 s on one core of the d 256 x 4 benchmark model
+IDLE_READ_TOKENS = 1024
 
 
 class ContinuousBatcher:
@@ -67,12 +104,16 @@ class ContinuousBatcher:
     steps instead, every 1,024-token prompt stalled all streams ~170 ms, and read in chunks of
     ~120 tokens per step, a chunk cost ~94 ms against a ~20 ms decode step (both measured on a
     loaded machine). On CUDA the prefill runs on its own stream.
+    idle_reads [our choice, measured; the server's default]: while nothing decodes, this thread
+    reads waiting prompts too (_read_while_idle): 64 clients' first tokens came 1.5x sooner than
+    with the prefill thread alone (benchmarks/serve_load.py, docs/inference.md).
     Without it (a batch of prompts, generate --input-file), waiting prompts are read whole on the
     batcher's thread when a slot frees (Sarathi-Serve's stall-free batching, Agrawal et al. 2024,
     is the GPU engines' answer to the same stall, by a token budget per step)."""
 
     def __init__(self, model, slots: int, capacity: int | None = None, prefill_chunk_size: int = 2048,
-                 compile: bool = False, prefill_thread: bool = False, prefix_cache=None, prefill_batch: int = 1):
+                 compile: bool = False, prefill_thread: bool = False, prefix_cache=None, prefill_batch: int = 1,
+                 idle_reads: bool = False):
         self.model, self.prefill_chunk_size = model, prefill_chunk_size
         self.prefix_cache = prefix_cache   # inference/prefix_cache.py (megatron-id serve), or None
         # prompts the prefill thread reads in one call (read_together), where every layer keeps a
@@ -81,6 +122,7 @@ class ContinuousBatcher:
             hasattr(block.mixer, "decode_facts") and block.mixer.decode_facts().fixed_size
             for block in model.layers) else 1
         self.batched_reads = 0    # calls that read more than one prompt (a test's and a benchmark's count)
+        self.idle_reads = 0       # prompts this thread read while nothing decoded (_read_while_idle)
         self.device = next(model.parameters()).device
         self.decoder = FusedDecoder(model, slots=slots, capacity=capacity, compile=compile)
         self.capacity = capacity if self.decoder.unbounded else None
@@ -91,11 +133,13 @@ class ContinuousBatcher:
         self._ids = itertools.count()
         self.failed_decodes = 0   # decode steps in a row that failed (the server stops past a few)
         self.reading = 0          # prompts with the prefill thread
-        self._reader = None
+        self._reader, self._idle_reader = None, False
         if prefill_thread:
-            self._to_read: queue.Queue = queue.Queue()
+            self._to_read = ToRead()
             self._read: queue.Queue = queue.Queue()
             self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            # idle_reads on a CPU only (a GPU reads on its own stream: this thread would queue behind it)
+            self._idle_reader = idle_reads and self._stream is None
             self._reader = threading.Thread(target=self._read_prompts, name="megatron-id-prefill", daemon=True)
             self._reader.start()
 
@@ -113,52 +157,76 @@ class ContinuousBatcher:
             sequence = self._to_read.get()
             if sequence is None:
                 return
-            taken, closing = [sequence], False
-            while len(taken) < self.prefill_batch:   # whatever else waits, up to prefill_batch
-                try:
-                    more = self._to_read.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    closing = True
-                    break
-                taken.append(more)
-            alone, together = [], []
-            for sequence in taken:
-                if sequence.cancelled:
-                    self._read.put((sequence, None, None, None))
-                    continue
-                prompt = sequence.request.prompt
-                plan = self.prefix_cache.plan(prompt) if self.prefix_cache is not None else None
-                # from a saved prefix, saving one, or longer than a chunk: read alone
-                if len(taken) > 1 and len(prompt) <= self.prefill_chunk_size and (plan is None or plan[0] == 0
-                                                                                   and plan[2] is None):
-                    together.append((sequence, plan))
-                else:
-                    alone.append((sequence, plan))
-            for group in padded_groups(together, length=lambda item: len(item[0].request.prompt)):
-                try:
-                    with torch.no_grad(), stream:
-                        read = read_together(self.model, [s.request.prompt for s, _ in group])
-                    if self._stream is not None:
-                        self._stream.synchronize()
-                    self.batched_reads += len(group) > 1
-                    for (sequence, _), (logits, states) in zip(group, read):
-                        self._read.put((sequence, logits, states, None))
-                except Exception:   # each alone (its plan kept: not counted twice): the one at fault fails alone
-                    alone += group
-            for sequence, plan in alone:
-                try:
-                    with torch.no_grad(), stream:   # (grad mode is per thread)
-                        logits, states = prefill_cached(self.model, sequence.request.prompt,
-                                                        self.prefill_chunk_size, self.prefix_cache, plan)
-                    if self._stream is not None:
-                        self._stream.synchronize()   # the decode stream reads these states next
-                    self._read.put((sequence, logits, states, None))
-                except Exception as error:
-                    self._read.put((sequence, None, None, error))
+            taken, closing = self._take_waiting([sequence], self.prefill_batch)
+            self._read_taken(taken, stream)
             if closing:
                 return
+
+    def _take_waiting(self, taken: list, most: int, budget: int | None = None) -> tuple[list, bool]:
+        """`taken` and whatever else waits to be read, oldest first, up to `most` prompts (with
+        `budget`: while their tokens stay within it, and never the closing mark, which is the
+        prefill thread's); True once the closing mark was taken."""
+        tokens = sum(len(s.request.prompt) for s in taken)
+        while len(taken) < most:
+            # (looked at before it is taken: a prompt over the budget stays first in line)
+            more = self._to_read.take_first(lambda s: budget is None or s is not None and
+                                            tokens + len(s.request.prompt) <= budget)
+            if more is ToRead.NOTHING:
+                break
+            if more is None:
+                return taken, True
+            taken.append(more)
+            tokens += len(more.request.prompt)
+        return taken, False
+
+    def _read_taken(self, taken: list, stream=contextlib.nullcontext()) -> None:
+        """Read the prompts `taken` from the queue (the fixed-state ones of a similar length
+        together, the others alone) and hand each result to the batcher's thread."""
+        alone, together = [], []
+        for sequence in taken:
+            if sequence.cancelled:
+                self._read.put((sequence, None, None, None))
+                continue
+            prompt = sequence.request.prompt
+            plan = self.prefix_cache.plan(prompt) if self.prefix_cache is not None else None
+            # from a saved prefix, saving one, or longer than a chunk: read alone
+            if len(taken) > 1 and len(prompt) <= self.prefill_chunk_size and (plan is None or plan[0] == 0
+                                                                               and plan[2] is None):
+                together.append((sequence, plan))
+            else:
+                alone.append((sequence, plan))
+        for group in padded_groups(together, length=lambda item: len(item[0].request.prompt)):
+            try:
+                with torch.no_grad(), stream:
+                    read = read_together(self.model, [s.request.prompt for s, _ in group])
+                if self._stream is not None:
+                    self._stream.synchronize()
+                self.batched_reads += len(group) > 1
+                for (sequence, _), (logits, states) in zip(group, read):
+                    self._read.put((sequence, logits, states, None))
+            except Exception:   # each alone (its plan kept: not counted twice): the one at fault fails alone
+                alone += group
+        for sequence, plan in alone:
+            try:
+                with torch.no_grad(), stream:   # (grad mode is per thread)
+                    logits, states = prefill_cached(self.model, sequence.request.prompt,
+                                                    self.prefill_chunk_size, self.prefix_cache, plan)
+                if self._stream is not None:
+                    self._stream.synchronize()   # the decode stream reads these states next
+                self._read.put((sequence, logits, states, None))
+            except Exception as error:
+                self._read.put((sequence, None, None, error))
+
+    def _read_while_idle(self) -> None:
+        """With nothing to decode, this thread reads waiting prompts too, beside the prefill
+        thread: the decode side's cores would idle otherwise (on a CPU each side has its half,
+        server.default_threads). At most IDLE_READ_TOKENS at a time: a prompt read here holds
+        back the first tokens of those the prefill thread reads meanwhile (they take their slots
+        on this thread), so a longer one is left to the prefill thread."""
+        taken, _ = self._take_waiting([], self.prefill_batch, IDLE_READ_TOKENS)
+        if taken:
+            self.idle_reads += len(taken)
+            self._read_taken(taken)
 
     def check(self, request: Request) -> None:
         """Refuse what could never be served (before it is queued)."""
@@ -203,9 +271,11 @@ class ContinuousBatcher:
             self.running[slot] = moved
         self.decoder.clear(last)
 
-    def _emit(self, sequence: Sequence, token: int, events: list) -> None:
+    def _emit(self, sequence: Sequence, token: int, events: list, logits=None) -> None:
         sequence.tokens.append(token)
         request = sequence.request
+        if request.logprobs is not None:
+            sequence.scored.append(token_scores(logits, token, request.logprobs))
         if token == request.eos_id:
             self._finish(sequence, "stop")
         elif len(sequence.tokens) >= request.max_new_tokens:
@@ -238,7 +308,7 @@ class ContinuousBatcher:
         if request.temperature > 0:
             generator = self.generators[sequence.id] = torch.Generator(device=self.device).manual_seed(request.seed)
         self._emit(sequence, sample_with(logits[0, -1], request.temperature, request.top_k, generator,
-                                         request.sampling, request.prompt, sequence.tokens), events)
+                                         request.sampling, request.prompt, sequence.tokens), events, logits[0, -1])
 
     def _failed_reading(self, sequence: Sequence, error: BaseException, events: list) -> None:
         if sequence in self.waiting:
@@ -282,6 +352,8 @@ class ContinuousBatcher:
         """Prompts the prefill thread has read take their slots; more are handed to it, oldest
         first, while slots remain for them. With nothing to decode, waits a moment for a read."""
         wait = not self.running and self.reading > 0
+        if wait and self._idle_reader:
+            self._read_while_idle()
         while self.reading:
             try:
                 sequence, logits, states, error = self._read.get(timeout=0.05) if wait else self._read.get_nowait()
@@ -304,13 +376,15 @@ class ContinuousBatcher:
                     torch.cuda.current_stream(self.device).synchronize()
             except Exception as failure:
                 self._failed_reading(sequence, failure, events)
+        handed = []
         for sequence in self.waiting:
             if len(self.running) + self.reading >= self.decoder.slots:
                 break
             if not sequence.reading:
                 sequence.reading = True
                 self.reading += 1
-                self._to_read.put(sequence)
+                handed.append(sequence)
+        self._to_read.put(*handed)   # at once: the prefill thread's first group is whole, not one prompt
 
     def _decode(self, events: list) -> None:
         try:
@@ -331,7 +405,19 @@ class ContinuousBatcher:
             except Exception as error:
                 self._fail(sequence, error, events)
                 continue
-            self._emit(sequence, token, events)
+            self._emit(sequence, token, events, logits[slot])
+
+
+def token_scores(logits, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` and the `top` likeliest tokens with theirs, from one
+    position's logits [V] (the model's own distribution: before temperature, penalties and
+    top_k, as vLLM and OpenAI give them)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = []
+    if top:
+        values, indices = logprobs.topk(top)
+        best = list(zip(indices.tolist(), values.tolist()))
+    return logprobs[token].item(), best
 
 
 def padded_groups(items: list, waste: float = 0.25, length=len) -> list[list]:

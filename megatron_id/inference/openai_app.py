@@ -113,6 +113,29 @@ def score_tokens(model, ids: list[int], top: int) -> list[tuple[float, list[tupl
         return out
 
 
+def logprobs_body(ids: list[int], places: list, decode, chat: bool, offset: int = 0) -> dict:
+    """OpenAI's logprobs object for tokens `ids`, places[i] (log-probability, [(id, log-probability)
+    of the likeliest]) or None (a first prompt token): chat's {"content": [...]}, or legacy
+    completions' tokens / token_logprobs / top_logprobs / text_offset (from `offset`, where
+    the text before them ends)."""
+    if chat:
+        def entry(token, logprob):
+            text = decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**entry(token, place[0]), "top_logprobs": [entry(t, lp) for t, lp in place[1]]}
+                            for token, place in zip(ids, places)]}
+    tokens = [decode([token]) for token in ids]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [None if place is None else place[0] for place in places],
+            "top_logprobs": [None if place is None else
+                             {**{decode([t]): lp for t, lp in place[1]}, decode([token]): place[0]}
+                             for token, place in zip(ids, places)],
+            "text_offset": offsets}
+
+
 class Choice:
     """One completion of a request (its prompt's j-th of n): the engine's ticket for it, the
     tokens so far, its text cut at a stop string, what a stream has sent of it."""
@@ -120,16 +143,21 @@ class Choice:
     def __init__(self, index: int, request, ticket: dict, settings: dict):
         self.index, self.request, self.ticket = index, request, ticket
         self.tokens, self.sent, self.finish = [], "", None
+        self.unsent_scores = []   # a stream's (token, its scores) since its last chunk (with logprobs)
+        self.text_offset = 0      # the characters a stream's logprobs have covered (text_offset)
         self.generated = 0   # tokens the model gave, the end-of-text token included (as generate counts them)
         self.text = StopText(settings["stop"], keep=settings["include_stop_str_in_output"])
 
-    def take(self, token, finish, tokenizer, decode_now: bool) -> str:
-        """One item from the engine; returns the text a stream may send now (the whole text is
-        decoded once at the end when nothing needs it sooner: no stream, no stop string)."""
+    def take(self, token, finish, tokenizer, decode_now: bool, scored=None) -> str:
+        """One item from the engine (scored: the token's scores, when the request asked the
+        engine for them); returns the text a stream may send now (the whole text is decoded
+        once at the end when nothing needs it sooner: no stream, no stop string)."""
         if token is not None:
             self.generated += 1
             if token != self.request.eos_id:
                 self.tokens.append(token)
+                if scored is not None:
+                    self.unsent_scores.append((token, scored))
         self.finish = finish
         if not decode_now and finish is None:
             return ""
@@ -338,7 +366,17 @@ class OpenAIApp:
                 return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                         "finish_reason": finish}
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+        def unsent_logprobs(c: Choice):
+            """A stream's logprobs for the tokens since the choice's last chunk (None without)."""
+            if settings["logprobs"] is None:
+                return None
+            ids, places = [t for t, _ in c.unsent_scores], [p for _, p in c.unsent_scores]
+            c.unsent_scores = []
+            body = logprobs_body(ids, places, self.tokenizer.decode, chat, c.text_offset)
+            c.text_offset += sum(len(t) for t in body["tokens"]) if not chat else 0
+            return body
         failure = None
         # the deadline arrives as an item of the queue: a plain `await out.get()` is cancelled
         # cleanly when the client goes away (asyncio.wait_for around it could swallow that while
@@ -362,12 +400,21 @@ class OpenAIApp:
                 if chat:   # OpenAI's first chunk of each choice: the role, no content yet
                     for c in choices:
                         await send({**chunk, "choices": [choice_body(c, "", None, first=True)]})
-                elif settings["echo"]:   # each choice's prompt first
+                elif settings["echo"]:   # each choice's prompt first (with logprobs: scored by the model)
+                    scored_prompts = {}   # (n choices of a prompt: scored once)
                     for c in choices:
-                        await send({**chunk, "choices": [choice_body(c, tokenizer.decode(c.request.prompt), None)]})
+                        scores = None
+                        if settings["logprobs"] is not None:
+                            key = tuple(c.request.prompt)
+                            if key not in scored_prompts:
+                                scored_prompts[key] = await self.prompt_logprobs(c.request.prompt, settings["logprobs"])
+                            scores = scored_prompts[key]
+                            c.text_offset = sum(len(t) for t in scores["tokens"])
+                        await send({**chunk, "choices": [choice_body(c, tokenizer.decode(c.request.prompt), None,
+                                                                     logprobs=scores)]})
             running = len(choices)
             while running:
-                index, token, finish = await out.get()
+                index, token, finish, *scored = await out.get()   # (scored: with logprobs, a token's)
                 if finish == "timeout":
                     cancel_all()
                     failure = (504, f"the request ran past {limits.request_timeout:g} s (serve --request-timeout) "
@@ -382,11 +429,11 @@ class OpenAIApp:
                 c = choices[index]
                 if c.finish is not None:   # (a stop string ended it; the engine's last items come after)
                     continue
-                delta = c.take(token, finish, tokenizer, stream or bool(settings["stop"]))
+                delta = c.take(token, finish, tokenizer, stream or bool(settings["stop"]), *scored)
                 if c.finish is not None:
                     running -= 1
                 if stream and (delta or c.finish is not None):
-                    await send({**chunk, "choices": [choice_body(c, delta, c.finish)]})
+                    await send({**chunk, "choices": [choice_body(c, delta, c.finish, logprobs=unsent_logprobs(c))]})
             if failure is not None:
                 status, message, code = failure
                 if not stream:
@@ -437,26 +484,16 @@ class OpenAIApp:
         prompt, completion = c.request.prompt, c.tokens
         scored = await asyncio.get_running_loop().run_in_executor(
             None, score_tokens, self.engine.batcher.model, prompt + completion, settings["logprobs"])
-        decode = self.tokenizer.decode
         first = 0 if settings["echo"] else len(prompt)
         ids = (prompt + completion)[first:]
         places = [None if first + i == 0 else scored[first + i - 1] for i in range(len(ids))]
-        if chat:
-            def entry(token, logprob):
-                text = decode([token])
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-            return {"content": [{**entry(token, place[0]), "top_logprobs": [entry(t, lp) for t, lp in place[1]]}
-                                for token, place in zip(ids, places)]}
-        tokens = [decode([token]) for token in ids]
-        offsets, at = [], 0
-        for text in tokens:
-            offsets.append(at)
-            at += len(text)
-        return {"tokens": tokens, "token_logprobs": [None if place is None else place[0] for place in places],
-                "top_logprobs": [None if place is None else
-                                 {**{decode([t]): lp for t, lp in place[1]}, decode([token]): place[0]}
-                                 for token, place in zip(ids, places)],
-                "text_offset": offsets}
+        return logprobs_body(ids, places, self.tokenizer.decode, chat)
+
+    async def prompt_logprobs(self, prompt: list[int], top: int) -> dict:
+        """A streamed echo's logprobs: the prompt's tokens scored (the first has none)."""
+        scored = await asyncio.get_running_loop().run_in_executor(
+            None, score_tokens, self.engine.batcher.model, prompt, top)
+        return logprobs_body(prompt, [None] + scored, self.tokenizer.decode, chat=False)
 
     # ------------------------------------------------------------ the rest
 

@@ -167,7 +167,10 @@ class Engine:
             if token is None:
                 print(f"megatron-id serve: request {sequence.request.name or sequence.id} failed: "
                       f"{type(sequence.error).__name__}: {sequence.error}", file=sys.stderr, flush=True)
-            self._deliver(sequence, (token, sequence.finish_reason if finished else None))
+            # (with logprobs: the token's scores, appended on this thread before it is handed out)
+            scored = sequence.scored[len(sequence.tokens) - 1] if sequence.request.logprobs is not None and \
+                token is not None else None
+            self._deliver(sequence, (token, sequence.finish_reason if finished else None, scored))
             if finished:
                 self._done(sequence)
 
@@ -282,6 +285,13 @@ def serve(args) -> int:
     """The body of `megatron-id serve` (options checked by the CLI before this loads the model).
     Exits 0 after a drain, 1 when the engine stopped on a failure (so a supervisor restarts it)."""
     import os
+
+    from ..allocator import keep_freed_memory
+    # freed blocks kept, not unmapped and faulted in again at the next read: with the prefill and
+    # engine threads reading side by side, 64 clients' first tokens p50 0.52 -> 0.43 s and steady
+    # (benchmarks/serve_load.py, 5 rounds: 0.43-0.58 -> 0.43-0.44); a large request's
+    # release_memory (malloc_trim) still gives memory back
+    keep_freed_memory()
     device = resolve_device(args.device)
     port = check_listen_address(args.host, args.port)   # before the model is loaded
     limits = serve_limits(args, os.environ.get(API_KEY_ENV))
@@ -304,7 +314,8 @@ def serve(args) -> int:
              if args.prefix_cache_mib > 0 else None)
     batcher = ContinuousBatcher(model, slots=args.slots, capacity=max_model_len,
                                 prefill_chunk_size=args.prefill_chunk_size, prefill_thread=not args.inline_prefill,
-                                prefix_cache=cache, prefill_batch=args.prefill_batch)
+                                prefix_cache=cache, prefill_batch=args.prefill_batch,
+                                idle_reads=args.idle_reads)
     engine = Engine(batcher, args.max_pending or max(DEFAULT_MAX_PENDING, 4 * args.slots), trained.eod)
     template = chat_template_of(trained.tokenizer_path)
     try:
