@@ -31,9 +31,10 @@ def add_parser(sub) -> None:
                          "groups of similar length (default 8; 1: one at a time, as before issue 55; models "
                          "with softmax layers read one at a time)")
     sv.add_argument("--idle-reads", action=argparse.BooleanOptionalAction, default=True,
-                    help="while no sequence decodes, the engine thread reads waiting prompts too, beside the "
-                         "prefill thread (up to 1,024 tokens at a time; on a CPU: the decode side's cores would "
-                         "idle otherwise). Default on; --no-idle-reads: the prefill thread alone, as before issue 55")
+                    help="on a CPU, while no sequence decodes, the engine thread reads waiting prompts too, beside "
+                         "the prefill thread (up to 1,024 tokens at a time: the decode side's cores would idle "
+                         "otherwise; a GPU reads on its own stream). Default on; --no-idle-reads: the prefill "
+                         "thread alone, as before issue 55")
     sv.add_argument("--prefix-cache-mib", type=float, default=512.0,
                     help="memory for the states after prompt prefixes shared by several requests (a system "
                          "prompt, few-shot examples): a prompt starts from the longest one it begins with; "
