@@ -38,8 +38,9 @@ setup(
         # lm-evaluation-harness on exported folders, and its local-completions on megatron-id serve
         # ([api]: tenacity, requests; tested with 0.4.13)
         "eval": ["lm_eval[api]>=0.4.13,<0.5"],
-        # preprocessing extras: the tiktoken encoder (--tokenizer-backend tiktoken) and NeoX's --ftfy
-        "preprocess": ["tiktoken>=0.7", "ftfy>=6"],
+        # preprocessing extras: the gigatoken encoder (the default when installed; what Megatron-LM's
+        # fast preprocessor uses; tested with 0.10.0), tiktoken (--tokenizer-backend tiktoken) and NeoX's --ftfy
+        "preprocess": ["gigatoken>=0.10,<0.11", "tiktoken>=0.7", "ftfy>=6"],
         # the fused chunked core for CUDA (model.core_impl=auto|triton; tl.gather needs >= 3.3);
         # tests run its kernels on the CPU under TRITON_INTERPRET=1 (tested with 3.9.0)
         "triton": ["triton>=3.3,<4"],
@@ -52,7 +53,8 @@ setup(
         # carry the compiled C++ helpers and need only torch>=2.6, numpy and packaging. No macOS wheel
         # (the sdist would compile), hence the marker; the benchmark runs our side alone without it.
         "test": ["pytest>=7", "pytest-timeout", "transformers>=5.0,<5.25", "accelerate>=1.0", "lm_eval[api]==0.4.13",
-                 "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1", "aiohttp>=3.9,<4", "openai>=1.0",
+                 "gigatoken>=0.10,<0.11", "tiktoken>=0.7", "ftfy>=6", "triton>=3.3,<4", "wandb>=0.19,<1",
+                 "aiohttp>=3.9,<4", "openai>=1.0",
                  "megatron-core==0.16.1; platform_system == 'Linux'",
                  # the lint tests/test_code_layout.py runs (.ruff.toml); pinned: isort's order moves between releases
                  "ruff==0.17.6"],

@@ -5,15 +5,21 @@ index build time.
     python benchmarks/preprocess.py                     # the default table, ~4 minutes on 2 cores
     python benchmarks/preprocess.py --sizes fineweb:30 --megatron ../shared/bench/megatron-lm --no-index
 
+    python benchmarks/preprocess.py --sizes wiki:10 wiki:100 wiki:1000 --backends gigatoken \
+        --megatron-fast /path/to/Megatron-LM --no-index             # issue 56's acceptance (~15 min)
+
 1. Inputs, jsonl of real text from the offline data (--sizes KIND:MB ...):
    - fineweb: the 150 FineWeb-Edu documents, each repetition with its sentences shuffled (so no
      document repeats byte for byte): the corpus this stack is for;
    - mixed: Tiny Shakespeare, WikiText-2, Pride and Prejudice and FineWeb-Edu in paragraph groups,
-     for reference (verse and wiki markup tokenize more slowly per token).
+     for reference (verse and wiki markup tokenize more slowly per token);
+   - wiki: English Wikipedia JSONL (../shared/data/corpus's shards, repeated past 195 MB), the
+     input of issue 56's comparison with Megatron's fast tool.
    Each input is preprocessed with the tokenizer (--tokenizer, default GPT-2), --append-eod,
-   --workers N, once per encoder (--backends: tokenizers, and tiktoken when installed), each run
-   in a fresh process: its wall time (start-up included, what a user waits for), the tool's own
-   time, its peak RSS, and whether its .bin/.idx equal the tokenizers run's byte for byte. The
+   --workers N, once per encoder (--backends: tokenizers, and tiktoken and gigatoken when
+   installed), each run in a fresh process: its wall time (start-up included, what a user waits
+   for), the tool's own time, its CPU-seconds (all threads), its peak RSS, and whether its .bin/.idx
+   equal the tokenizers run's byte for byte. The
    tokenizer alone (encode_batch_fast, N threads, the same texts, no I/O) is measured on each
    kind of corpus: the ratio is the pipeline's overhead.
 2. --megatron PATH: Megatron-LM's tools/preprocess_data.py from that checkout (PATH first on
@@ -22,6 +28,11 @@ index build time.
    its output must equal ours byte for byte. Our runs then take --keep-empty, since Megatron
    writes the empty and whitespace-only documents that this tool skips by default (the mixed
    corpus has a few blank 40-line groups).
+   --megatron-fast PATH: Megatron-LM's tools/preprocess_data_fast.py (gigatoken; a checkout from
+   2026-08 on, PR #6514: git clone https://github.com/NVIDIA/Megatron-LM; it needs gigatoken,
+   awkward and orjson) with RAYON_NUM_THREADS = --workers; on Python < 3.12 its run gets a
+   stand-in for typing.override, which its training code imports. Compared with ours at
+   --keep-empty eod (its rule for empty documents), byte for byte.
 3. A synthetic 100M-token indexed dataset; time to build (and then to reload) the GPT sample
    index of its train split for one epoch at seq_length 4096 (--no-index skips it).
 """
@@ -69,7 +80,31 @@ def mixed_documents(rng) -> list[str]:
     return docs
 
 
+def write_wiki(path: Path, megabytes: int) -> int:
+    """English Wikipedia JSONL (../shared/data/corpus, zstd shards) to `megabytes`, the shards in
+    turn and again from the first when they run out (whole lines, as the issue's 97.5 MB input)."""
+    import zstandard
+    shards = sorted((SHARED / "corpus").glob("enwiki2015_train-*.jsonl.zst"))
+    if not shards:
+        raise SystemExit(f"--sizes wiki:...: no Wikipedia shards in {SHARED / 'corpus'} (the shared offline data)")
+    size, n = 0, 0
+    with open(path, "wb") as f:
+        while size < megabytes * 1_000_000:
+            for shard in shards:
+                with zstandard.ZstdDecompressor().stream_reader(open(shard, "rb")) as raw:
+                    import io
+                    for line in io.BufferedReader(raw):
+                        if size >= megabytes * 1_000_000:
+                            return n
+                        f.write(line)
+                        size += len(line)
+                        n += 1
+    return n
+
+
 def write_corpus(path: Path, megabytes: int, kind: str) -> int:
+    if kind == "wiki":
+        return write_wiki(path, megabytes)
     rng = np.random.RandomState(0)
     make = fineweb_documents if kind == "fineweb" else mixed_documents
     size, n = 0, 0
@@ -109,7 +144,7 @@ from tokenizers import Tokenizer
 tok = Tokenizer.from_file({tok!r})
 texts = [json.loads(l)["text"] for l in open({path!r}, encoding="utf-8")]
 batches, batch, size = [], [], 0
-for text in texts:   # the same ~4M-character batches the pipeline uses
+for text in texts:   # the same batches (BATCH_CHARS characters) the pipeline uses
     batch.append(text)
     size += len(text)
     if size >= {batch_chars}:
@@ -123,26 +158,50 @@ print(n, time.time() - t)
 
 
 def measure_preprocess(corpus: Path, out: Path, tokenizer: Path, workers: int, backend: str,
-                       keep_empty: bool) -> dict:
+                       keep_empty: str | None) -> dict:
     argv = ["--input", str(corpus), "--tokenizer", str(tokenizer), "--output-prefix", str(out),
             "--append-eod", "--workers", str(workers), "--no-progress", "--tokenizer-backend", backend,
-            *(["--keep-empty"] if keep_empty else [])]
-    t = time.time()
+            *(["--keep-empty", keep_empty] if keep_empty else [])]
+    t, cpu = time.time(), children_cpu()
     res = subprocess.run([sys.executable, "-c", RUN.format(root=str(ROOT), argv=argv)],
                          capture_output=True, text=True)
-    wall = time.time() - t
+    wall, cpu = time.time() - t, children_cpu() - cpu
     if res.returncode != 0:
         raise SystemExit(f"preprocess ({backend}) failed:\n{res.stderr[-3000:]}")
     tokens, docs, seconds, rss, used = res.stdout.split(maxsplit=4)
-    return {"tokens": int(tokens), "documents": int(docs), "tool_s": float(seconds), "wall_s": wall,
+    return {"tokens": int(tokens), "documents": int(docs), "tool_s": float(seconds), "wall_s": wall, "cpu_s": cpu,
             "rss": int(rss), "encoder": eval(used), "prefix": Path(f"{out}_text_document")}
 
 
-def measure_megatron(checkout: Path, corpus: Path, out: Path, tokenizer: Path, workers: int) -> dict:
-    tool = checkout / "tools" / "preprocess_data.py"
+def children_cpu() -> float:
+    """User + system CPU-seconds of this process's finished children (all their threads)."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+# Python 3.12's typing.override, which Megatron-LM's training code imports (preprocess_data_fast.py
+# reaches it through megatron.training.arguments); on an older Python the fast tool's run gets this
+# stand-in (a decorator that returns its function, as typing's does) from a sitecustomize of its own
+OVERRIDE_SHIM = """
+import typing
+if not hasattr(typing, "override"):
+    def override(f):
+        return f
+    typing.override = override
+"""
+
+
+def measure_megatron(checkout: Path, corpus: Path, out: Path, tokenizer: Path, workers: int,
+                     fast: bool = False) -> dict:
+    name = "preprocess_data_fast.py" if fast else "preprocess_data.py"
+    tool = checkout / "tools" / name
     if not tool.is_file():
-        raise SystemExit(f"--megatron {checkout}: no tools/preprocess_data.py there (give a Megatron-LM checkout, "
-                         f"e.g. ../shared/bench/megatron-lm)")
+        flag = "--megatron-fast" if fast else "--megatron"
+        where = ("a Megatron-LM checkout from 2026-08 on (its PR #6514): git clone "
+                 "https://github.com/NVIDIA/Megatron-LM; it needs gigatoken, awkward and orjson installed" if fast
+                 else "a Megatron-LM checkout, e.g. ../shared/bench/megatron-lm")
+        raise SystemExit(f"{flag} {checkout}: no tools/{name} there (give {where})")
     folder = out.parent / "megatron-tokenizer"   # HuggingFaceTokenizer takes a folder
     folder.mkdir(exist_ok=True)
     shutil.copy(tokenizer, folder / "tokenizer.json")
@@ -150,20 +209,27 @@ def measure_megatron(checkout: Path, corpus: Path, out: Path, tokenizer: Path, w
     tok = load_tokenizer(str(tokenizer))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": tok.id_to_token(eod_id(tok))}))
     argv = ["--input", str(corpus), "--output-prefix", str(out), "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", str(folder), "--append-eod", "--workers", str(workers)]
-    env = {**os.environ, "PYTHONPATH": str(checkout), "HF_HUB_OFFLINE": "1"}
-    t = time.time()
+            "--tokenizer-model", str(folder), "--append-eod"]
+    argv += ["--use-gigatoken"] if fast else ["--workers", str(workers)]   # (the fast tool: RAYON_NUM_THREADS)
+    path = [str(checkout)]
+    if fast and sys.version_info < (3, 12):
+        shim = out.parent / "megatron-shim"
+        shim.mkdir(exist_ok=True)
+        (shim / "sitecustomize.py").write_text(OVERRIDE_SHIM)
+        path.insert(0, str(shim))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1", "RAYON_NUM_THREADS": str(workers)}
+    t, cpu = time.time(), children_cpu()
     res = subprocess.run([sys.executable, "-c", MEGATRON_RUN.format(tool=str(tool), argv=argv)], env=env,
                          capture_output=True, text=True)
-    wall = time.time() - t
+    wall, cpu = time.time() - t, children_cpu() - cpu
     if res.returncode != 0:
-        raise SystemExit(f"Megatron's tool failed:\n{res.stderr[-3000:]}")
+        raise SystemExit(f"Megatron's {name} failed:\n{res.stderr[-3000:]}")
     rss = int(res.stdout.split("PEAK")[-1])
     prefix = Path(f"{out}_text_document")
     from megatron_id.data.indexed_dataset import IndexedDataset
     ds = IndexedDataset(prefix)
     return {"tokens": ds.num_tokens, "documents": len(ds.document_index) - 1, "tool_s": None, "wall_s": wall,
-            "rss": rss, "encoder": "Megatron-LM tools/preprocess_data.py", "prefix": prefix}
+            "cpu_s": cpu, "rss": rss, "encoder": f"Megatron-LM tools/{name}", "prefix": prefix}
 
 
 def same_bytes(a: Path, b: Path) -> bool:
@@ -205,17 +271,22 @@ def parse_args(argv=None):
                    help=f"corpora to build: fineweb or mixed, and megabytes (default: {' '.join(DEFAULT_SIZES)})")
     p.add_argument("--tokenizer", type=Path, default=TOKENIZER, help="tokenizer.json (default: GPT-2)")
     p.add_argument("--workers", type=int, default=2, help="--workers of every run (default 2)")
-    p.add_argument("--backends", nargs="+", choices=["tokenizers", "tiktoken"], default=None,
-                   help="encoders to run (default: tokenizers, and tiktoken when installed)")
+    p.add_argument("--backends", nargs="+", choices=["tokenizers", "tiktoken", "gigatoken"], default=None,
+                   help="encoders to run (default: tokenizers, and tiktoken and gigatoken when installed)")
     p.add_argument("--megatron", type=Path, default=None,
                    help="a Megatron-LM checkout: run its tools/preprocess_data.py side by side")
+    p.add_argument("--megatron-fast", type=Path, default=None,
+                   help="a Megatron-LM checkout from 2026-08 on (PR #6514): run its tools/preprocess_data_fast.py "
+                        "(gigatoken, RAYON_NUM_THREADS = --workers) side by side, compared with ours at "
+                        "--keep-empty eod")
     p.add_argument("--no-index", action="store_true", help="skip the GPT index build")
     args = p.parse_args(argv)
     sizes = []
     for item in args.sizes:
         kind, _, mb = item.partition(":")
-        if kind not in ("fineweb", "mixed") or not mb.isdigit() or int(mb) < 1:
-            p.error(f"--sizes {item}: give KIND:MB with KIND fineweb or mixed and MB a whole number, e.g. fineweb:50")
+        if kind not in ("fineweb", "mixed", "wiki") or not mb.isdigit() or int(mb) < 1:
+            p.error(f"--sizes {item}: give KIND:MB with KIND fineweb, mixed or wiki and MB a whole number, "
+                    f"e.g. fineweb:50")
         sizes.append((kind, int(mb)))
     args.sizes = sizes
     if not args.tokenizer.is_file():
@@ -223,11 +294,8 @@ def parse_args(argv=None):
     if args.workers < 1:
         p.error(f"--workers {args.workers}: must be at least 1")
     if args.backends is None:
-        try:
-            import tiktoken  # noqa: F401
-            args.backends = ["tokenizers", "tiktoken"]
-        except ImportError:
-            args.backends = ["tokenizers"]
+        import importlib.util
+        args.backends = ["tokenizers"] + [b for b in ("tiktoken", "gigatoken") if importlib.util.find_spec(b)]
     if "tokenizers" not in args.backends:
         args.backends = ["tokenizers", *args.backends]   # the reference every row is compared with
     return args
@@ -243,18 +311,27 @@ def main(argv=None) -> int:
             write_corpus(corpus, mb, kind)
             reference = None
             runs = [(backend, None) for backend in args.backends] + (
-                [("megatron", args.megatron)] if args.megatron else [])
+                [("megatron", args.megatron)] if args.megatron else []) + (
+                [("gigatoken-eod", None), ("megatron-fast", args.megatron_fast)] if args.megatron_fast else [])
+            eod_run = None   # ours at --keep-empty eod: what Megatron's fast tool is compared with
             for backend, checkout in runs:
                 out = tmp / f"out_{kind}{mb}_{backend}"
-                r = measure_megatron(checkout, corpus, out, args.tokenizer, args.workers) if checkout else \
-                    measure_preprocess(corpus, out, args.tokenizer, args.workers, backend, bool(args.megatron))
+                if checkout:
+                    r = measure_megatron(checkout, corpus, out, args.tokenizer, args.workers,
+                                         fast=backend == "megatron-fast")
+                else:
+                    keep = "eod" if backend == "gigatoken-eod" else ("empty" if args.megatron else None)
+                    r = measure_preprocess(corpus, out, args.tokenizer, args.workers, backend.split("-")[0], keep)
                 reference = reference or r
-                r.update(kind=kind, mb=mb, requested=backend, identical=same_bytes(r["prefix"], reference["prefix"]),
+                against = eod_run if backend == "megatron-fast" else reference
+                if backend == "gigatoken-eod":
+                    eod_run, against = r, r
+                r.update(kind=kind, mb=mb, requested=backend, identical=same_bytes(r["prefix"], against["prefix"]),
                          speedup=reference["wall_s"] / r["wall_s"])
                 rows.append(r)
                 print(f"  {kind} {mb} MB, {r['encoder']}: {r['tokens']:,} tokens in {r['wall_s']:.1f} s",
                       file=sys.stderr)
-                if backend != "tokenizers":
+                if backend not in ("tokenizers", "gigatoken-eod"):
                     shutil.rmtree(out.parent / "megatron-tokenizer", ignore_errors=True)
                     for ext in (".bin", ".idx", ".meta.json"):
                         Path(f"{r['prefix']}{ext}").unlink(missing_ok=True)
@@ -266,17 +343,19 @@ def main(argv=None) -> int:
 
     print(f"# preprocessing benchmark ({os.cpu_count()} CPUs), {args.tokenizer.name}, --workers {args.workers}, "
           f"--append-eod{' --keep-empty (as Megatron writes empty documents)' if args.megatron else ''}\n")
-    print("time: the whole process (start-up included); tool: inside the tool (reading, tokenizing, writing);"
-          " identical: .bin and .idx equal the tokenizers run's byte for byte\n")
-    print("| corpus | input | documents | tokens | encoder | time | tool | tokens/s | vs tokenizers | "
-          "identical | tokenizer alone | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("time: the whole process (start-up included); tool: inside the tool (reading, tokenizing, writing)\n")
+    print("CPU-s: user + system seconds of the whole process, all its threads (the figure to trust on a busy "
+          "machine); identical: .bin and .idx equal the tokenizers run's byte for byte, or for Megatron's fast "
+          "tool ours at --keep-empty eod (gigatoken, eod)\n")
+    print("| corpus | input | documents | tokens | encoder | time | tool | CPU-s | tokens per CPU-s | tokens/s | "
+          "vs tokenizers | identical | tokenizer alone | peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tool = "-" if r["tool_s"] is None else f"{r['tool_s']:.1f} s"
-        encoder = r["encoder"].split(" (")[0]
+        encoder = r["encoder"].split(" (")[0] + (", eod" if r["requested"] == "gigatoken-eod" else "")
         print(f"| {r['kind']} | {r['mb']} MB | {r['documents']:,} | {r['tokens']:,} | {encoder} | "
-              f"{r['wall_s']:.1f} s | "
-              f"{tool} | {r['tokens'] / r['wall_s'] / 1e6:.2f} M | {r['speedup']:.2f}x | "
+              f"{r['wall_s']:.1f} s | {tool} | {r['cpu_s']:.1f} | {r['tokens'] / r['cpu_s'] / 1e6:.2f} M | "
+              f"{r['tokens'] / r['wall_s'] / 1e6:.2f} M | {r['speedup']:.2f}x | "
               f"{'yes' if r['identical'] else 'NO'} | {alone[r['kind']] / 1e6:.2f} M | {r['rss'] / 2**20:.0f} MiB |")
     if index:
         total, samples, build, reload = index
@@ -314,6 +393,26 @@ def main(argv=None) -> int:
                 checks.append((f"{r['kind']} {r['mb']} MB: this tool ({x['encoder'].split(' (')[0]}) {ratio:.2f}x as "
                                f"fast as Megatron-LM's tool, outputs byte-identical: {r['identical']} (>= 1x)",
                                ratio >= 1 and r["identical"]))
+    for r in rows:
+        if r["requested"] == "gigatoken" and not r["encoder"].startswith("gigatoken"):
+            checks.append((f"{r['kind']} {r['mb']} MB: the gigatoken backend fell back to tokenizers (the run's notes "
+                           f"say why)", False))
+        if r["requested"] != "megatron-fast":
+            continue
+        ours = next(x for x in rows if (x["kind"], x["mb"], x["requested"]) == (r["kind"], r["mb"], "gigatoken-eod"))
+        per_cpu = (ours["tokens"] / ours["cpu_s"]) / (r["tokens"] / r["cpu_s"])
+        checks.append((f"{r['kind']} {r['mb']} MB: ours (gigatoken) {per_cpu:.2f}x Megatron's fast tool in tokens per "
+                       f"CPU-second, {r['wall_s'] / ours['wall_s']:.2f}x in wall time, peak RSS "
+                       f"{ours['rss'] / r['rss']:.2f}x its own, outputs byte-identical: {r['identical']} (issue 56: "
+                       f">= 1x, >= 1x, <= 0.5x, yes)",
+                       per_cpu >= 1 and r["wall_s"] >= ours["wall_s"] and ours["rss"] <= 0.5 * r["rss"]
+                       and r["identical"]))
+    for kind in sorted({r["kind"] for r in rows}):
+        giga = sorted((r for r in rows if r["kind"] == kind and r["requested"] == "gigatoken"), key=lambda r: r["mb"])
+        if len(giga) > 1 and giga[-1]["mb"] >= 10 * giga[0]["mb"]:
+            growth = max(r["rss"] for r in giga) / min(r["rss"] for r in giga)
+            checks.append((f"{kind}: gigatoken's peak RSS from {giga[0]['mb']} MB to {giga[-1]['mb']} MB of input "
+                           f"within {100 * (growth - 1):.0f}% (issue 56: within 10%)", growth <= 1.1))
     print("\n## acceptance checks\n")
     for text, ok in checks:
         print(f"- {'PASS' if ok else 'FAIL'}: {text}")

@@ -75,7 +75,8 @@ FLAGS = [
     ("--chat-template", dict(default=None), NOTE,
      "chat templates format SFT conversations; pretraining documents are tokenized as they are"),
     ("--use-gigatoken", dict(action="store_true"), NOTE,
-     "it selects another encoder inside Megatron; this tool's faster encoder is --tokenizer-backend tiktoken"),
+     "gigatoken is this tool's default encoder when installed (--tokenizer-backend auto; --tokenizer-backend "
+     "gigatoken asks for it by name), checked against tokenizers as every fast encoder is"),
     # GPT-NeoX tools/datasets/preprocess_data.py
     ("--num-docs", dict(type=int, default=None), NOTE,
      "progress is measured in input bytes here, so the total is always known"),

@@ -14,13 +14,16 @@ refusal (with the reason). FineWeb-Edu filters apply to rows that have the field
 Documents as Megatron writes them: a text may be a list of sentences (Megatron's split-sentence
 JSON): each non-empty sentence becomes one sequence of the document, the end-of-document token
 goes after the last. Empty and whitespace-only documents are skipped and counted by default;
-with --keep-empty they are written as Megatron writes them (an empty text: a document of no
-sequence; whitespace: its tokens), so the output is byte-identical to Megatron's.
+with --keep-empty they are written as Megatron's preprocess_data.py writes them (an empty text: a
+document of no sequence; whitespace: its tokens), with --keep-empty eod as its
+preprocess_data_fast.py does (an empty text: the end-of-document token alone), so the output is
+byte-identical to either tool's.
 
 How it runs: one reader thread streams documents in batches (bounded queue, so memory stays
-flat whatever the input size) while the main thread tokenizes each batch with `tokenizers`'
-encode_batch, which releases the GIL and spreads the batch over --workers threads; batches are
-written in input order, so the output bytes do not depend on --workers. A document longer than
+flat whatever the input size) while the main thread tokenizes each batch with the encoder
+(gigatoken by default when installed, else `tokenizers`; both release the GIL and spread the
+batch over --workers threads); batches are written in input order, so the output bytes do not
+depend on --workers. A document longer than
 100,000 characters is tokenised in pieces cut where the ids are provably unchanged
 (data_tools/pieces.py), so memory stays bounded for single huge documents too.
 
@@ -68,9 +71,11 @@ from .compat import add_compat_flags, check_compat_flags
 from .encoders import (
     PROBE_TEXT,
     TOKENIZER_TYPES,
+    GigatokenEncoder,
     NullEncoder,
     TiktokenEncoder,
     TokenizersEncoder,
+    gigatoken_unavailable,
     resolve_tokenizer,
     tiktoken_unavailable,
 )
@@ -79,7 +84,11 @@ from .pieces import PIECE_CHARS, PieceCutter
 from .progress import Progress
 from .readers import Record, Skip, check_input_files, expand_inputs, iter_documents, legacy_advice
 
-BATCH_CHARS = 4_000_000   # characters per tokenizer call (and per reader batch); ~1M tokens
+# [our choice, measured with gigatoken, 2 workers, Wikipedia JSONL] characters per tokenizer call
+# (and per reader batch), ~250K tokens, and batches read ahead: peak RSS 206 / 221 MB at 10 / 100 MB
+# of input (4M and 4 ahead: 230 / 299 MB, the same CPU-seconds), so memory is flat from small inputs on
+BATCH_CHARS = 1_000_000
+PENDING_BATCHES = 2
 
 
 class PreprocessError(UserError, ValueError):
@@ -102,10 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     io_.add_argument("--partitions", type=int, default=1,
                      help="split the input files into K groups, written one by one and then merged "
                           "(the output is the same for every K; K above the number of files says so)")
-    io_.add_argument("--keep-empty", action="store_true",
-                     help="write empty and whitespace-only documents as Megatron does (an empty text: a "
-                          "document of no sequence; whitespace: its tokens) instead of skipping and "
-                          "counting them; the output is then byte-identical to Megatron's")
+    io_.add_argument("--keep-empty", nargs="?", const="empty", default=None, choices=["empty", "eod"],
+                     help="write empty and whitespace-only documents instead of skipping and counting them "
+                          "(the default): --keep-empty as Megatron-LM's preprocess_data.py writes them (an empty "
+                          "text: a document of no sequence; whitespace: its tokens); --keep-empty eod as its "
+                          "preprocess_data_fast.py does (an empty text: the end-of-document token alone; needs "
+                          "--append-eod). The output is then byte-identical to that tool's")
     tok = p.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer",
                      help="HF tokenizer.json, or a folder holding one")
@@ -123,11 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="NullTokenizer's end-of-document id (default: vocab size - 1, as Megatron)")
     tok.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     tok.add_argument("--eod-token", default=None, help="end-of-document token (default: found in the vocabulary)")
-    tok.add_argument("--tokenizer-backend", choices=["tokenizers", "tiktoken"], default="tokenizers",
-                     help="tokenizers (default, the reference) or tiktoken: the same byte-level BPE, "
-                          "several times faster, used only after it gave the reference's ids on a probe "
-                          "text and on the first batch of the corpus (else this run falls back to "
-                          "tokenizers and says why)")
+    tok.add_argument("--tokenizer-backend", choices=["auto", "gigatoken", "tiktoken", "tokenizers"], default="auto",
+                     help="auto (default): gigatoken when it is installed and reads the tokenizer, else "
+                          "tokenizers; gigatoken (~30x tokenizers' tokens per CPU-second here) or tiktoken "
+                          "(byte-level BPE, several times faster): used only after it gave the reference's ids "
+                          "on a probe text and on the first batch of the corpus, else this run falls back to "
+                          "tokenizers and says why in one line; tokenizers: the reference")
     tok.add_argument("--ftfy", action="store_true", help="repair mojibake with ftfy.fix_text before "
                      "tokenizing (NeoX's flag; pip install ftfy)")
     filt = p.add_argument_group(
@@ -142,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("run")
     run.add_argument("--workers", type=int, default=1, help="tokenizer threads")
     run.add_argument("--log-interval", type=int, default=None,
-                     help="a progress line every N documents (checked once per batch of ~4M characters); "
+                     help="a progress line every N documents (checked once per batch of ~1M characters); "
                           "default: every 10 s in logs, live on a terminal")
     run.add_argument("--strict", action="store_true",
                      help="fail at the first bad document (malformed, not UTF-8, missing or "
@@ -171,7 +183,8 @@ class Stats:
         self.filter_max: dict[str, float] = {}   # the highest number that got rows filtered
         self.outputs, self.seconds, self.stale_removed = [], 0.0, []
         self.cut_documents = self.uncut_documents = 0
-        self.empty_kept = 0       # --keep-empty: documents written with no sequence
+        self.empty_kept = 0       # --keep-empty: documents written with no sequence (eod: the EOD alone)
+        self.eod_alone = False    # --keep-empty eod
         self.notes: list[str] = []   # flags with no effect, inputs dropped, the backend's choice
         self.backend = "tokenizers"
 
@@ -345,6 +358,7 @@ class Encoded:
 
     def __init__(self, flat: np.ndarray, lengths: np.ndarray, per_document: np.ndarray):
         self.flat, self.lengths, self.per_document = flat, lengths, per_document
+        self.eod_alone = 0   # empty documents written as the end-of-document token alone (--keep-empty eod)
 
     def keep(self, documents: np.ndarray) -> "Encoded":
         """Only the documents where `documents` (bool) is True."""
@@ -353,7 +367,7 @@ class Encoded:
                        self.per_document[documents])
 
 
-def _encode(encoder, cutter: PieceCutter, docs, eod) -> Encoded:
+def _encode(encoder, cutter: PieceCutter, docs, eod, eod_alone: bool = False) -> Encoded:
     """Megatron's Encoder.encode for a batch: each document is a text or a list of sentences;
     every sentence with ids becomes a sequence, and the end-of-document id goes after the last
     one (a document without ids gets none). Long sentences are cut into pieces (the ids are
@@ -373,13 +387,19 @@ def _encode(encoder, cutter: PieceCutter, docs, eod) -> Encoded:
     lengths = np.zeros(len(sentences), dtype=np.int64)
     for group in _groups(spans, BATCH_CHARS):
         pieces = [sentences[i] if b - a == len(sentences[i]) else sentences[i][a:b] for i, a, b in group]
+        flat_form = getattr(encoder, "encode_flat", None)
         arrays = getattr(encoder, "encode_arrays", None)
-        ids = arrays(pieces) if arrays else encoder.encode_many(pieces)
+        if flat_form:
+            ids, counts = flat_form(pieces)
+        else:
+            ids = arrays(pieces) if arrays else encoder.encode_many(pieces)
+            counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         del pieces
-        counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         np.add.at(lengths, [i for i, _, _ in group], counts)
         # int32 holds any id (vocabularies are far below 2**31) at half the memory of int64
-        if arrays:
+        if flat_form:
+            flats.append(ids.astype(np.int32))
+        elif arrays:
             flats.append(np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, dtype=np.int32))
         else:
             flats.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
@@ -393,7 +413,19 @@ def _encode(encoder, cutter: PieceCutter, docs, eod) -> Encoded:
         last = np.cumsum(per_document)[per_document > 0] - 1   # each document's last sequence
         flat = np.insert(flat, np.cumsum(lengths)[last], eod)
         lengths[last] += 1
-    return Encoded(flat, lengths, per_document)
+    filled = 0
+    if eod_alone and eod is not None:   # --keep-empty eod: a document without ids is the EOD alone
+        empty = np.flatnonzero(per_document == 0)
+        filled = len(empty)
+        if filled:
+            before = (np.cumsum(per_document) - per_document)[empty]   # sequences ahead of each
+            starts = np.concatenate([[0], np.cumsum(lengths)])[before]
+            flat = np.insert(flat, starts, eod)
+            lengths = np.insert(lengths, before, 1)
+            per_document[empty] = 1
+    encoded = Encoded(flat, lengths, per_document)
+    encoded.eod_alone = filled
+    return encoded
 
 
 def _write_part(files, writers, encoder, cutter, eod, args, stats, progress):
@@ -402,7 +434,7 @@ def _write_part(files, writers, encoder, cutter, eod, args, stats, progress):
     has no ids is skipped in all of them (or, with --keep-empty, written empty in that one)."""
     keys = args.json_keys
     counters = []
-    pending: queue.Queue = queue.Queue(maxsize=4)   # bounded: memory does not grow with input
+    pending: queue.Queue = queue.Queue(maxsize=PENDING_BATCHES)   # bounded: memory does not grow with input
     stop = threading.Event()
     reader = threading.Thread(target=_batches, daemon=True, args=(
         iter_documents(files, columns=keys, counter=counters), keys, args, stats, pending, stop))
@@ -414,7 +446,7 @@ def _write_part(files, writers, encoder, cutter, eod, args, stats, progress):
                 break
             if isinstance(batch, BaseException):
                 raise batch
-            encoded = [_encode(encoder, cutter, [texts[k] for texts, _ in batch], eod)
+            encoded = [_encode(encoder, cutter, [texts[k] for texts, _ in batch], eod, args.keep_empty == "eod")
                        for k in range(len(writers))]
             encoded = encoder.checked(encoded, batch, cutter, eod)
             empty = np.stack([e.per_document == 0 for e in encoded]).any(axis=0)
@@ -434,7 +466,7 @@ def _write_part(files, writers, encoder, cutter, eod, args, stats, progress):
             stats.written += len(encoded[0].per_document)
             stats.tokens += int(encoded[0].lengths.sum())
             if args.keep_empty:
-                stats.empty_kept += int((encoded[0].per_document == 0).sum())
+                stats.empty_kept += int((encoded[0].per_document == 0).sum()) + encoded[0].eod_alone
             progress.update(stats, sum(c.count for c in counters))
         reader.join()
     except BaseException:
@@ -448,28 +480,41 @@ def _write_part(files, writers, encoder, cutter, eod, args, stats, progress):
         raise
 
 
-CHECK_CHARS = 1_000_000   # characters of the first batch also encoded by the reference (tiktoken)
+CHECK_CHARS = 1_000_000   # characters of the first batch also encoded by the reference (a fast backend's check)
 
 
 class Backend:
-    """The encoder in use. With --tokenizer-backend tiktoken, tiktoken must first give the
-    reference's ids on a probe text (at start), then on the corpus itself: the first ~1M
+    """The encoder in use. A fast backend (gigatoken, tiktoken) must first give the reference's
+    (tokenizers') ids on a probe text (at start), then on the corpus itself: the first ~1M
     characters of the first batch are encoded by both (documents whole, pieces included). Any
-    difference falls back to the reference for the whole run, the first batch included."""
+    difference falls back to the reference for the whole run, the first batch included, with a
+    note saying why; so does a fast backend that is missing or cannot read the tokenizer. auto:
+    gigatoken, silently tokenizers when gigatoken is not installed."""
 
     def __init__(self, spec, args, stats: Stats):
-        self.stats, self.unchecked = stats, False
+        self.stats, self.unchecked, self.fast_name = stats, False, None
+        self.eod_alone = args.keep_empty == "eod"
         if spec.kind == "null":
             self.current = NullEncoder(spec.vocab_size)
             self.reference = self.current
             stats.backend = "NullTokenizer"
             return
         self.reference = self.current = TokenizersEncoder(spec.tokenizer)
-        if args.tokenizer_backend != "tiktoken":
+        wanted = args.tokenizer_backend
+        if wanted == "tokenizers":
             return
-        why = tiktoken_unavailable(spec.tokenizer)
+        self.fast_name = "gigatoken" if wanted == "auto" else wanted
+        if self.fast_name == "gigatoken":
+            why, loaded = gigatoken_unavailable(spec.tokenizer)
+            if why is not None and wanted == "auto" and loaded is None and "not installed" in why:
+                self.fast_name = None   # auto without gigatoken: the reference, as before gigatoken existed
+                return
+            make = lambda: GigatokenEncoder(loaded)   # noqa: E731
+        else:
+            why = tiktoken_unavailable(spec.tokenizer)
+            make = lambda: TiktokenEncoder(spec.tokenizer, args.workers)   # noqa: E731
         if why is None:
-            fast = TiktokenEncoder(spec.tokenizer, args.workers)
+            fast = make()
             probe = [PROBE_TEXT, PROBE_TEXT[::-1], PROBE_TEXT.upper()]
             if fast.encode_many(probe) == self.reference.encode_many(probe):
                 self.current, self.unchecked = fast, True
@@ -486,13 +531,20 @@ class Backend:
         """The current encoder's array form, None when it has none (then encode_many is used)."""
         return getattr(self.current, "encode_arrays", None)
 
+    @property
+    def encode_flat(self):
+        """The current encoder's flat form (ids and counts), None when it has none."""
+        return getattr(self.current, "encode_flat", None)
+
     def _fall_back(self, why: str) -> None:
         self.current, self.unchecked = self.reference, False
-        self.stats.notes.append(f"--tokenizer-backend tiktoken not used: {why}; this run uses tokenizers "
-                                f"(the same ids, slower).")
+        note = (f"--tokenizer-backend {self.fast_name} not used: {why}; this run uses tokenizers (the same ids, "
+                f"slower).")
+        self.stats.notes.append(note)
+        print(f"preprocess: note: {note}", file=sys.stderr)
 
     def checked(self, encoded: list, batch, cutter, eod) -> list:
-        """The first batch's encodings (by tiktoken), compared with the reference on its first
+        """The first batch's encodings (by the fast backend), compared with the reference on its first
         CHECK_CHARS characters; returns what to write (the reference's, after a difference)."""
         if not self.unchecked:
             return encoded
@@ -503,15 +555,21 @@ class Backend:
         first = np.arange(len(docs)) < n
         fast = self.current
         self.current = self.reference   # what the piece cutter verifies its cuts with, meanwhile
+        # (the cutter counts the documents it cuts: the batch's were counted once already)
+        counted = cutter.cut_documents, cutter.uncut_documents
         for k, mine in enumerate(encoded):
-            theirs = _encode(self.reference, cutter, [texts[k] for texts in docs[:n]], eod)
+            theirs = _encode(self.reference, cutter, [texts[k] for texts in docs[:n]], eod, self.eod_alone)
+            cutter.cut_documents, cutter.uncut_documents = counted
             head = mine.keep(first)
             if not (np.array_equal(head.flat, theirs.flat) and np.array_equal(head.lengths, theirs.lengths)
                     and np.array_equal(head.per_document, theirs.per_document)):
                 self._fall_back("it gave other ids than tokenizers on the first batch of the corpus")
-                return [_encode(self.reference, cutter, [texts[j] for texts in docs], eod) for j in range(len(encoded))]
+                again = [_encode(self.reference, cutter, [texts[j] for texts in docs], eod, self.eod_alone)
+                         for j in range(len(encoded))]
+                cutter.cut_documents, cutter.uncut_documents = counted
+                return again
         self.current = fast
-        self.stats.backend = (f"tiktoken (checked against tokenizers on a probe text and the first "
+        self.stats.backend = (f"{self.fast_name} (checked against tokenizers on a probe text and the first "
                               f"{int(sizes[n - 1]):,} characters of the corpus)")
         return encoded
 
@@ -593,6 +651,10 @@ def run(args) -> Stats:
         raise PreprocessError(f"--partitions {args.partitions}: must be at least 1.")
     if args.log_interval is not None and args.log_interval < 1:
         raise PreprocessError(f"--log-interval {args.log_interval}: must be at least 1 (documents).")
+    if args.keep_empty == "eod" and not args.append_eod:
+        raise PreprocessError("--keep-empty eod writes an empty text as the end-of-document token alone, as Megatron's "
+                              "preprocess_data_fast.py does with --append-eod: give --append-eod too (without it "
+                              "that tool writes an empty document, which --keep-empty alone does).")
     repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
     if repeated:   # two writers of one <prefix>_<key>_document: refused before any work
         raise PreprocessError(f"--json-keys {' '.join(args.json_keys)}: the key '{repeated[0]}' is given "
@@ -633,6 +695,7 @@ def run(args) -> Stats:
     os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     stats, start = Stats(), time.time()
+    stats.eod_alone = args.keep_empty == "eod"
     stats.notes = notes
     for note in notes:   # said before the work, so that a long run does not hide them
         print(f"preprocess: note: {note}", file=sys.stderr)
@@ -712,7 +775,9 @@ def summary(stats: Stats) -> str:
              f"tokens written: {stats.tokens:,}",
              f"time: {stats.seconds:.1f} s ({stats.tokens / max(stats.seconds, 1e-9):,.0f} tokens/s)"]
     if stats.empty_kept:
-        lines.append(f"empty documents written (--keep-empty, as Megatron writes them): {stats.empty_kept:,}")
+        lines.append(f"empty documents written (--keep-empty{' eod' if stats.eod_alone else ''}, as Megatron's "
+                     f"{'preprocess_data_fast.py' if stats.eod_alone else 'preprocess_data.py'} writes them): "
+                     f"{stats.empty_kept:,}")
     if stats.backend != "tokenizers":
         lines.append(f"encoder: {stats.backend}")
     skipped = sum(stats.skipped.values())

@@ -24,6 +24,7 @@ from megatron_id.data.indexed_dataset import IndexedDataset
 DATA = ROOT / "tests" / "data"
 FINEWEB = DATA / "fineweb-edu-sample-150.jsonl"
 GPT2 = DATA / "gpt2-tokenizer.json"
+NEOX = DATA / "gpt-neox-20b-tokenizer.json"
 MEGATRON = ROOT.parent / "shared" / "bench" / "megatron-lm"   # Megatron-LM's own tool, offline
 PRE = "data_tools.preprocess"
 
@@ -57,11 +58,12 @@ def pair_bytes(prefix) -> tuple[bytes, bytes]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The tokenizer.json route on the corpus with the tricky rows: (folder, prefix)."""
+    """The tokenizer.json route on the corpus with the tricky rows, by the reference encoder
+    (tokenizers): (folder, prefix)."""
     folder = tmp_path_factory.mktemp("reference")
     source = corpus(folder / "corpus.jsonl", TRICKY_ROWS)
     done = run_module(PRE, ["--input", source, "--tokenizer", GPT2, "--output-prefix", folder / "ref",
-                            "--append-eod", "--no-progress"])
+                            "--append-eod", "--no-progress", "--tokenizer-backend", "tokenizers"])
     assert done.returncode == 0, done.stderr
     return folder, folder / "ref_text_document"
 
@@ -244,7 +246,7 @@ def test_megatrons_documents_byte_identical_to_megatrons_own_tool(tmp_path):
     ours = run_module(PRE, ["--input", source, "--output-prefix", "ours", "--tokenizer-type", "HuggingFaceTokenizer",
                             "--tokenizer-model", "hf", "--append-eod", "--workers", "2", "--keep-empty"], cwd=tmp_path)
     assert ours.returncode == 0, ours.stderr
-    assert "empty documents written (--keep-empty, as Megatron writes them): 2" in ours.stderr
+    assert "empty documents written (--keep-empty, as Megatron's preprocess_data.py writes them): 2" in ours.stderr
     assert pair_bytes(tmp_path / "ours_text_document") == pair_bytes(tmp_path / "megatron_text_document")
     ds = IndexedDataset(tmp_path / "ours_text_document")
     assert len(ds.document_index) == 150 + len(TRICKY_ROWS) + 1 and len(ds) == 150 + 4   # 2 empty, 1 of 2 sequences
@@ -360,13 +362,141 @@ def test_tiktoken_backend_writes_the_bytes_of_tokenizers(tmp_path, capsys, monke
     assert not np.array_equal(IndexedDataset(f"{plain}_text_document")._bin, IndexedDataset(ref)._bin)
 
 
+# ---------------------------------------------------------------- the gigatoken backend
+
+WIDE_ROWS = [{"text": "Café naïve façade, e\u0301 Ελληνικά Русский 日本語の文章 한국어 😀👍🏽"},
+             {"text": "\t\n  \r\n"}, {"text": "<|endoftext|>"}, {"text": "a<|endoftext|><|endoftext|>b  "}]
+
+
+@pytest.mark.parametrize("keep_empty", [False, True], ids=["skip-empty", "keep-empty"])
+def test_gigatoken_backend_writes_the_bytes_of_tokenizers_and_is_the_default(tmp_path, capsys, monkeypatch,
+                                                                               keep_empty):
+    """gigatoken (--tokenizer-backend auto, the default when installed; and by name) writes what
+    tokenizers writes, byte for byte, on the corpus with the tricky rows plus non-ASCII,
+    whitespace-only and <|endoftext|>-only documents, whole and cut into pieces, with
+    --keep-empty and without; on the GPT-2 and the NeoX tokenizer."""
+    pytest.importorskip("gigatoken", reason="gigatoken is in the test extra: pip install -e '.[test]'")
+    import data_tools.preprocess as pre
+    source = corpus(tmp_path / "corpus.jsonl", TRICKY_ROWS + WIDE_ROWS)
+    for tokenizer in (GPT2, NEOX):
+        common = ["--input", str(source), "--tokenizer", str(tokenizer), "--append-eod", "--no-progress",
+                  "--workers", "2", *(["--keep-empty"] if keep_empty else [])]
+        assert pre.main([*common, "--output-prefix", str(tmp_path / "ref"), "--tokenizer-backend", "tokenizers",
+                         "--overwrite"]) == 0
+        assert "encoder:" not in capsys.readouterr().err
+        ref = pair_bytes(tmp_path / "ref_text_document")
+        for backend in ("auto", "gigatoken"):
+            assert pre.main([*common, "--output-prefix", str(tmp_path / backend), "--overwrite",
+                             *(["--tokenizer-backend", backend] if backend != "auto" else [])]) == 0
+            assert "encoder: gigatoken (checked against tokenizers" in capsys.readouterr().err, backend
+            assert pair_bytes(tmp_path / f"{backend}_text_document") == ref, (tokenizer.name, backend)
+        monkeypatch.setattr(pre, "BATCH_CHARS", 30_000)   # gigatoken from the second batch on ...
+        monkeypatch.setattr(pre, "PIECE_CHARS", 500)      # ... and cutting pieces itself
+        assert pre.main([*common, "--output-prefix", str(tmp_path / "cut"), "--overwrite"]) == 0
+        assert "encoder: gigatoken" in capsys.readouterr().err
+        assert pair_bytes(tmp_path / "cut_text_document") == ref, tokenizer.name
+        monkeypatch.undo()
+
+
+def test_a_tokenizer_gigatoken_cannot_encode_exactly_falls_back_in_one_line(tmp_path, capfd, monkeypatch):
+    """A tokenizer gigatoken cannot read (a WordPiece model), or one where it gives other ids on
+    the probe text or on the corpus' first batch (simulated: one of gigatoken's ids changed), is encoded
+    by tokenizers instead, with one line saying why; the bytes are the reference's. Without
+    gigatoken installed, auto is tokenizers without a word."""
+    pytest.importorskip("gigatoken", reason="gigatoken is in the test extra: pip install -e '.[test]'")
+    import data_tools.preprocess as pre
+    from data_tools import encoders
+    source = corpus(tmp_path / "corpus.jsonl", TRICKY_ROWS)
+    common = ["--input", str(source), "--append-eod", "--no-progress"]
+    wordpiece = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+                 "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                           "max_input_chars_per_word": 100,
+                           "vocab": {"[UNK]": 0, "the": 1, "a": 2, "##s": 3, "<|endoftext|>": 4}}}
+    (tmp_path / "wordpiece.json").write_text(json.dumps(wordpiece))
+    for name, args in (("wp", ["--tokenizer", str(tmp_path / "wordpiece.json"), "--eod-token", "<|endoftext|>"]),
+                       ("gpt2", ["--tokenizer", str(GPT2)])):
+        assert pre.main([*common, *args, "--output-prefix", str(tmp_path / f"{name}-ref"),
+                         "--tokenizer-backend", "tokenizers"]) == 0
+    capfd.readouterr()
+    assert pre.main([*common, "--tokenizer", str(tmp_path / "wordpiece.json"), "--eod-token", "<|endoftext|>",
+                     "--output-prefix", str(tmp_path / "wp")]) == 0
+    err = capfd.readouterr().err
+    why = [line for line in err.splitlines() if line.startswith("preprocess: note: --tokenizer-backend gigatoken")]
+    assert len(why) == 1 and "cannot read this tokenizer.json" in why[0] and "WordPiece" in why[0], err
+    assert pair_bytes(tmp_path / "wp_text_document") == pair_bytes(tmp_path / "wp-ref_text_document")
+
+    real_many, real_flat = encoders.GigatokenEncoder.encode_many, encoders.GigatokenEncoder.encode_flat
+    for where, patch in (("on the probe text", "many"), ("on the first batch of the corpus", "flat")):
+        if patch == "many":
+            monkeypatch.setattr(encoders.GigatokenEncoder, "encode_many",
+                                lambda self, texts: [[i + 1 for i in ids] for ids in real_many(self, texts)])
+        else:
+            def flat_changed(self, texts):
+                flat, counts = real_flat(self, texts)
+                flat = flat.copy()
+                flat[:1] += 1
+                return flat, counts
+            monkeypatch.setattr(encoders.GigatokenEncoder, "encode_flat", flat_changed)
+        out = tmp_path / patch
+        assert pre.main([*common, "--tokenizer", str(GPT2), "--output-prefix", str(out)]) == 0
+        err = capfd.readouterr().err
+        assert f"gigatoken not used: it gave other ids than tokenizers {where}" in err, err
+        assert "encoder: gigatoken" not in err
+        assert pair_bytes(f"{out}_text_document") == pair_bytes(tmp_path / "gpt2-ref_text_document")
+        monkeypatch.undo()
+    # not installed: auto is the reference, silently; asked by name, the note says so
+    monkeypatch.setattr(pre, "gigatoken_unavailable", lambda tokenizer: (
+        "the gigatoken package is not installed (pip install gigatoken)", None))
+    assert pre.main([*common, "--tokenizer", str(GPT2), "--output-prefix", str(tmp_path / "none")]) == 0
+    err = capfd.readouterr().err
+    assert "encoder:" not in err and "not used" not in err
+    assert pair_bytes(tmp_path / "none_text_document") == pair_bytes(tmp_path / "gpt2-ref_text_document")
+    assert pre.main([*common, "--tokenizer", str(GPT2), "--output-prefix", str(tmp_path / "named"),
+                     "--tokenizer-backend", "gigatoken"]) == 0
+    assert "--tokenizer-backend gigatoken not used: the gigatoken package is not installed" in capfd.readouterr().err
+
+
+def test_keep_empty_eod_writes_each_row_as_megatrons_fast_tool_does(tmp_path, capsys):
+    """Megatron-LM's preprocess_data_fast.py tokenizes every row's text whole and appends the
+    end-of-document id to each, so an empty text is the EOD alone; --keep-empty eod writes
+    exactly that (compared with tokenizers' ids + EOD, row by row), plain --keep-empty writes the
+    empty text as an empty document (preprocess_data.py), and the default skips it. eod without
+    --append-eod is refused before any work."""
+    from tokenizers import Tokenizer
+    rows = [{"text": ""}, {"text": "A plain line."}, {"text": "   \n "}, {"text": "Tail <|endoftext|>"},
+            {"text": "Ünïcödé 日本語 😀"}, {"text": ""}]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = Tokenizer.from_file(str(GPT2))
+    want = [tokenizer.encode(r["text"], add_special_tokens=False).ids + [50256] for r in rows]
+    common = ["--input", str(source), "--tokenizer", str(GPT2), "--append-eod", "--no-progress"]
+    for rule, expected in (("eod", want), ("empty", [w if len(w) > 1 else [] for w in want]),
+                           (None, [w for w, r in zip(want, rows) if r["text"].strip()])):   # blanks skipped
+        out = tmp_path / f"rule-{rule}"
+        assert preprocess_main([*common, "--output-prefix", str(out),
+                                *(["--keep-empty", rule] if rule == "eod" else ["--keep-empty"] if rule else [])]) == 0
+        err = capsys.readouterr().err
+        ds = IndexedDataset(f"{out}_text_document")
+        bounds = ds.document_index   # document d: sequences bounds[d] .. bounds[d + 1]
+        got = [[t for q in range(bounds[d], bounds[d + 1]) for t in ds[q].tolist()] for d in range(len(bounds) - 1)]
+        assert got == expected, (rule, got)
+        if rule == "eod":
+            assert "empty documents written (--keep-empty eod, as Megatron's preprocess_data_fast.py writes " \
+                   "them): 2" in err, err
+        elif rule == "empty":
+            assert "(--keep-empty, as Megatron's preprocess_data.py writes them): 2" in err, err
+    refused([PRE, "--input", source, "--tokenizer", GPT2, "--output-prefix", tmp_path / "noeod", "--keep-empty",
+             "eod"], mention=r"--keep-empty eod .* give --append-eod", unchanged=[tmp_path])
+
+
 def test_a_lone_surrogate_is_a_bad_document_not_a_crash(tmp_path, capsys):
     """JSON may escape half a surrogate pair ("\\ud800"): valid JSON, not Unicode text, and the
     tokenizers library raises a TypeError on it. It is skipped and counted (both backends), and
     --strict names the file and line."""
     source = tmp_path / "surrogate.jsonl"
     source.write_text('{"text": "a fine document"}\n{"text": "broken \\ud800 half"}\n{"text": ["ok", "x\\udfff"]}\n')
-    backends = ["tokenizers", "tiktoken"] if __import__("importlib").util.find_spec("tiktoken") else ["tokenizers"]
+    backends = ["tokenizers"] + [b for b in ("tiktoken", "gigatoken") if __import__("importlib").util.find_spec(b)]
     for backend in backends:
         out = tmp_path / backend
         assert preprocess_main(["--input", str(source), "--tokenizer", str(GPT2), "--output-prefix", str(out),
