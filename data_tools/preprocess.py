@@ -509,7 +509,7 @@ class Backend:
             if why is not None and wanted == "auto" and loaded is None and "not installed" in why:
                 self.fast_name = None   # auto without gigatoken: the reference, as before gigatoken existed
                 return
-            make = lambda: GigatokenEncoder(loaded)   # noqa: E731
+            make = lambda: GigatokenEncoder(loaded, spec.tokenizer.to_str())   # noqa: E731
         else:
             why = tiktoken_unavailable(spec.tokenizer)
             make = lambda: TiktokenEncoder(spec.tokenizer, args.workers)   # noqa: E731

@@ -457,6 +457,29 @@ def test_a_tokenizer_gigatoken_cannot_encode_exactly_falls_back_in_one_line(tmp_
     assert "--tokenizer-backend gigatoken not used: the gigatoken package is not installed" in capfd.readouterr().err
 
 
+def test_gigatoken_is_renewed_when_the_process_grows_and_its_ids_do_not_change(monkeypatch):
+    """gigatoken caches every distinct word in its tokenizer object, without bound; the encoder
+    loads the tokenizer anew when the process has grown past RENEW_AFTER_BYTES (here: at every
+    batch), and the ids stay tokenizers' across the renewals."""
+    pytest.importorskip("gigatoken", reason="gigatoken is in the test extra: pip install -e '.[test]'")
+    from tokenizers import Tokenizer
+
+    from data_tools import encoders
+    monkeypatch.setattr(encoders, "RENEW_AFTER_BYTES", -2**40)
+    monkeypatch.setattr(encoders, "RENEW_MIN_CHARS", 1)
+    reference = Tokenizer.from_file(str(GPT2))
+    why, loaded = encoders.gigatoken_unavailable(reference)
+    assert why is None
+    encoder = encoders.GigatokenEncoder(loaded, reference.to_str())
+    texts = [json.loads(line)["text"] for line in open(FINEWEB, encoding="utf-8")]
+    for start in range(0, 60, 20):
+        batch = texts[start:start + 20]
+        flat, counts = encoder.encode_flat(batch)
+        want = [e.ids for e in reference.encode_batch_fast(batch, add_special_tokens=False)]
+        assert counts.tolist() == [len(ids) for ids in want] and flat.tolist() == [i for ids in want for i in ids]
+    assert encoder.renewals == 2 and encoder.tokenizer is not loaded   # after the 2nd and 3rd batch
+
+
 def test_keep_empty_eod_writes_each_row_as_megatrons_fast_tool_does(tmp_path, capsys):
     """Megatron-LM's preprocess_data_fast.py tokenizes every row's text whole and appends the
     end-of-document id to each, so an empty text is the EOD alone; --keep-empty eod writes
