@@ -30,6 +30,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from megatron_id.allocator import release_freed_memory
 from megatron_id.data.tokenizer import TokenizerError, byte_decoder, eod_id, load_tokenizer
 
 # --tokenizer-type values: Megatron-LM's (tools/preprocess_data.py, TokenizerConfig) and
@@ -254,16 +255,6 @@ def resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def release_freed_memory() -> None:
-    """glibc's malloc_trim: freed heap back to the system (the cache's many small blocks stay
-    resident otherwise). Nothing elsewhere."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class GigatokenEncoder:

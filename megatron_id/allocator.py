@@ -39,3 +39,12 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, INT_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, INT_MAX))
+
+
+def release_freed_memory() -> None:
+    """glibc's malloc_trim: freed heap handed back to the system (glibc keeps it otherwise, many
+    small blocks above all). Not glibc: nothing to do."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -86,11 +86,8 @@ def json_protocol_errors() -> None:
 def release_memory() -> None:
     """Give freed heap back to the system after a large request (glibc keeps it otherwise: a
     refused 4 MiB prompt left ~400 MiB of resident memory)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc: nothing to do
-        pass
+    from ..allocator import release_freed_memory
+    release_freed_memory()
 
 
 def score_tokens(model, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
