@@ -7,6 +7,8 @@ index build time.
 
     python benchmarks/preprocess.py --sizes wiki:10 wiki:100 wiki:1000 --backends gigatoken \
         --megatron-fast /path/to/Megatron-LM --no-index             # issue 56's acceptance (~15 min)
+    python benchmarks/preprocess.py --sizes wiki:100 --backends gigatoken --workers 1 --formats gz zst parquet \
+        --no-index                                                   # input formats (~2 min)
 
 1. Inputs, jsonl of real text from the offline data (--sizes KIND:MB ...):
    - fineweb: the 150 FineWeb-Edu documents, each repetition with its sentences shuffled (so no
@@ -33,7 +35,10 @@ index build time.
    awkward and orjson) with RAYON_NUM_THREADS = --workers; on Python < 3.12 its run gets a
    stand-in for typing.override, which its training code imports. Compared with ours at
    --keep-empty eod (its rule for empty documents), byte for byte.
-3. A synthetic 100M-token indexed dataset; time to build (and then to reload) the GPT sample
+3. --formats gz zst parquet: each corpus also written as .jsonl.gz, .jsonl.zst and parquet
+   (1,000-row groups) and preprocessed with the last of --backends: wall, CPU-s and peak RSS
+   beside its JSONL run; its output must equal the JSONL runs' byte for byte.
+4. A synthetic 100M-token indexed dataset; time to build (and then to reload) the GPT sample
    index of its train split for one epoch at seq_length 4096 (--no-index skips it).
 """
 from __future__ import annotations
@@ -100,6 +105,40 @@ def write_wiki(path: Path, megabytes: int) -> int:
                         size += len(line)
                         n += 1
     return n
+
+
+def write_format(corpus: Path, fmt: str) -> Path:
+    """The JSONL corpus rewritten as `fmt`: gzip (level 6) or zstd (level 3) of the same bytes, or
+    parquet with one row per line (the rows' fields as columns; PARQUET_GROUP_ROWS rows a group)."""
+    out = corpus.with_name(corpus.name + FORMATS[fmt]) if fmt != "parquet" else corpus.with_suffix(".parquet")
+    if fmt == "gz":
+        import gzip
+        with open(corpus, "rb") as src, gzip.open(out, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    elif fmt == "zst":
+        import zstandard
+        with open(corpus, "rb") as src, open(out, "wb") as raw:
+            zstandard.ZstdCompressor(level=3).copy_stream(src, raw)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        writer = None
+        with open(corpus, encoding="utf-8") as f:
+            while True:
+                rows = [json.loads(line) for _, line in zip(range(PARQUET_GROUP_ROWS), f)]
+                if not rows:
+                    break
+                table = pa.Table.from_pylist(rows)
+                writer = writer or pq.ParquetWriter(out, table.schema)
+                writer.write_table(table)
+        writer.close()
+    return out
+
+
+FORMATS = {"gz": ".gz", "zst": ".zst", "parquet": ".parquet"}
+# FineWeb-Edu's shards (datatrove's parquet writer) hold ~1,000-row groups [an assumption: the
+# offline sample here is JSONL]; a larger group is read page by page all the same
+PARQUET_GROUP_ROWS = 1000
 
 
 def write_corpus(path: Path, megabytes: int, kind: str) -> int:
@@ -279,6 +318,10 @@ def parse_args(argv=None):
                    help="a Megatron-LM checkout from 2026-08 on (PR #6514): run its tools/preprocess_data_fast.py "
                         "(gigatoken, RAYON_NUM_THREADS = --workers) side by side, compared with ours at "
                         "--keep-empty eod")
+    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=[],
+                   help="also write each corpus as .jsonl.gz, .jsonl.zst or parquet and run the last of --backends "
+                        "on it, compared byte for byte with the JSONL runs (issue 56: reading at the tokenizer's "
+                        "speed)")
     p.add_argument("--no-index", action="store_true", help="skip the GPT index build")
     args = p.parse_args(argv)
     sizes = []
@@ -335,6 +378,18 @@ def main(argv=None) -> int:
                     shutil.rmtree(out.parent / "megatron-tokenizer", ignore_errors=True)
                     for ext in (".bin", ".idx", ".meta.json"):
                         Path(f"{r['prefix']}{ext}").unlink(missing_ok=True)
+            for fmt in args.formats:
+                converted = write_format(corpus, fmt)
+                out = tmp / f"out_{kind}{mb}_{fmt}"
+                r = measure_preprocess(converted, out, args.tokenizer, args.workers, args.backends[-1], None)
+                r.update(kind=kind, mb=mb, requested=args.backends[-1], fmt=fmt,
+                         speedup=reference["wall_s"] / r["wall_s"],
+                         identical=same_bytes(r["prefix"], reference["prefix"]))
+                rows.append(r)
+                print(f"  {kind} {mb} MB as {fmt}: {r['tokens']:,} tokens in {r['wall_s']:.1f} s", file=sys.stderr)
+                converted.unlink()
+                for ext in (".bin", ".idx", ".meta.json"):
+                    Path(f"{r['prefix']}{ext}").unlink(missing_ok=True)
             if kind not in alone:
                 sample = tmp / f"{kind}_20.jsonl"
                 write_corpus(sample, min(20, mb), kind)
@@ -353,7 +408,8 @@ def main(argv=None) -> int:
     for r in rows:
         tool = "-" if r["tool_s"] is None else f"{r['tool_s']:.1f} s"
         encoder = r["encoder"].split(" (")[0] + (", eod" if r["requested"] == "gigatoken-eod" else "")
-        print(f"| {r['kind']} | {r['mb']} MB | {r['documents']:,} | {r['tokens']:,} | {encoder} | "
+        fmt = f" {r['fmt']}" if r.get("fmt") else ""
+        print(f"| {r['kind']} | {r['mb']} MB{fmt} | {r['documents']:,} | {r['tokens']:,} | {encoder} | "
               f"{r['wall_s']:.1f} s | {tool} | {r['cpu_s']:.1f} | {r['tokens'] / r['cpu_s'] / 1e6:.2f} M | "
               f"{r['tokens'] / r['wall_s'] / 1e6:.2f} M | {r['speedup']:.2f}x | "
               f"{'yes' if r['identical'] else 'NO'} | {alone[r['kind']] / 1e6:.2f} M | {r['rss'] / 2**20:.0f} MiB |")
@@ -408,11 +464,20 @@ def main(argv=None) -> int:
                        per_cpu >= 1 and r["wall_s"] >= ours["wall_s"] and ours["rss"] <= 0.5 * r["rss"]
                        and r["identical"]))
     for kind in sorted({r["kind"] for r in rows}):
-        giga = sorted((r for r in rows if r["kind"] == kind and r["requested"] == "gigatoken"), key=lambda r: r["mb"])
+        giga = sorted((r for r in rows if r["kind"] == kind and r["requested"] == "gigatoken" and not r.get("fmt")),
+                      key=lambda r: r["mb"])
         if len(giga) > 1 and giga[-1]["mb"] >= 10 * giga[0]["mb"]:
             growth = max(r["rss"] for r in giga) / min(r["rss"] for r in giga)
             checks.append((f"{kind}: gigatoken's peak RSS from {giga[0]['mb']} MB to {giga[-1]['mb']} MB of input "
                            f"within {100 * (growth - 1):.0f}% (issue 56: within 10%)", growth <= 1.1))
+    for r in rows:
+        if r.get("fmt"):
+            jsonl = next(x for x in rows if (x["kind"], x["mb"], x["requested"]) == (r["kind"], r["mb"], r["requested"])
+                         and not x.get("fmt"))
+            checks.append((f"{r['kind']} {r['mb']} MB as {r['fmt']}: {r['wall_s'] / jsonl['wall_s']:.2f}x the JSONL "
+                           f"run's wall time, {r['cpu_s'] / jsonl['cpu_s']:.2f}x its CPU-s, peak RSS "
+                           f"{r['rss'] / 2**20:.0f} MiB, outputs byte-identical: {r['identical']} (issue 56: yes)",
+                           r["identical"]))
     print("\n## acceptance checks\n")
     for text, ok in checks:
         print(f"- {'PASS' if ok else 'FAIL'}: {text}")

@@ -264,8 +264,9 @@ class GigatokenEncoder:
     renewing the tokenizer object (RENEW_AFTER_BYTES)."""
     name = "gigatoken"
 
-    def __init__(self, loaded, spec: str | None = None):
+    def __init__(self, loaded, spec: str | None = None, renew_after_bytes: int = RENEW_AFTER_BYTES):
         self.tokenizer, self.spec = loaded, spec   # spec: the tokenizer.json text, to load it anew
+        self.renew_after_bytes = renew_after_bytes
         self.baseline = None   # resident bytes after the first batch
         self.chars_since = 0
         self.renewals = 0
@@ -294,7 +295,7 @@ class GigatokenEncoder:
             return
         if self.baseline is None:
             self.baseline = now
-        elif now - self.baseline > RENEW_AFTER_BYTES and self.chars_since >= RENEW_MIN_CHARS:
+        elif now - self.baseline > self.renew_after_bytes and self.chars_since >= RENEW_MIN_CHARS:
             import gigatoken
             self.tokenizer = None   # the old one and its cache freed first, then handed back to the system
             release_freed_memory()

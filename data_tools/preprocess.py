@@ -70,6 +70,7 @@ from megatron_id.errors import UserError, run_guarded
 from .compat import add_compat_flags, check_compat_flags
 from .encoders import (
     PROBE_TEXT,
+    RENEW_AFTER_BYTES,
     TOKENIZER_TYPES,
     GigatokenEncoder,
     NullEncoder,
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(byte-level BPE, several times faster): used only after it gave the reference's ids "
                           "on a probe text and on the first batch of the corpus, else this run falls back to "
                           "tokenizers and says why in one line; tokenizers: the reference")
+    tok.add_argument("--tokenizer-cache-mib", type=int, default=RENEW_AFTER_BYTES // 2**20, metavar="MIB",
+                     help="gigatoken keeps every distinct word it has encoded: when the process has grown this "
+                          "much since its first batch, its tokenizer is loaded anew with an empty cache "
+                          "(default %(default)s)")
     tok.add_argument("--ftfy", action="store_true", help="repair mojibake with ftfy.fix_text before "
                      "tokenizing (NeoX's flag; pip install ftfy)")
     filt = p.add_argument_group(
@@ -509,7 +514,8 @@ class Backend:
             if why is not None and wanted == "auto" and loaded is None and "not installed" in why:
                 self.fast_name = None   # auto without gigatoken: the reference, as before gigatoken existed
                 return
-            make = lambda: GigatokenEncoder(loaded, spec.tokenizer.to_str())   # noqa: E731
+            make = lambda: GigatokenEncoder(loaded, spec.tokenizer.to_str(),   # noqa: E731
+                                            args.tokenizer_cache_mib * 2**20)
         else:
             why = tiktoken_unavailable(spec.tokenizer)
             make = lambda: TiktokenEncoder(spec.tokenizer, args.workers)   # noqa: E731
@@ -647,6 +653,10 @@ def run(args) -> Stats:
     check_prefix(args.output_prefix, "--output-prefix", "fineweb", "{}_" + args.json_keys[0] + "_document.bin/.idx")
     if args.workers < 1:
         raise PreprocessError(f"--workers {args.workers}: must be at least 1.")
+    if args.tokenizer_cache_mib < 0:
+        raise PreprocessError(f"--tokenizer-cache-mib {args.tokenizer_cache_mib}: must be 0 or more (MiB the process "
+                              f"may grow by before gigatoken's tokenizer is loaded anew; default "
+                              f"{RENEW_AFTER_BYTES // 2**20}).")
     if args.partitions < 1:
         raise PreprocessError(f"--partitions {args.partitions}: must be at least 1.")
     if args.log_interval is not None and args.log_interval < 1:

@@ -20,6 +20,7 @@ from megatron_id.errors import UserError
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst",
                   ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
+PARQUET_BATCH_ROWS = 256   # rows turned into Python objects at a time
 
 
 @dataclass
@@ -344,14 +345,84 @@ class _ZstdReader(io.RawIOBase):
         return n
 
 
+class _DecompressAhead(io.RawIOBase):
+    """Reads a decompressing stream on a thread of its own, DECOMPRESS_AHEAD chunks ahead: zlib
+    and zstd release the GIL while they inflate, so decompression overlaps the JSON parsing of
+    the reader's thread instead of taking turns with it (measured 2026-12-08 on 100 MB of
+    Wikipedia JSONL: gzip's inflate alone is 0.48 s, zstd's 0.20 s, json.loads 0.57 s). The
+    stream's errors (a truncated or corrupt file) are raised here, in the reading thread."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, stream):
+        import queue
+        import threading
+        self.stream = stream
+        self._chunks = queue.Queue(maxsize=DECOMPRESS_AHEAD)
+        self._stop = threading.Event()
+        self._out, self._pos, self._done = b"", 0, False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="decompress")
+        self._thread.start()
+
+    def _run(self):
+        try:
+            while not self._stop.is_set():
+                data = self.stream.read(self.CHUNK)
+                if not self._hand(data or None) or not data:
+                    return
+        except BaseException as err:   # raised by readinto, in the reading thread
+            self._hand(err)
+
+    def _hand(self, item) -> bool:
+        """Queue one item; False once the reader has closed the stream."""
+        import queue
+        while not self._stop.is_set():
+            try:
+                self._chunks.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while self._pos >= len(self._out):
+            if self._done:
+                return 0
+            item = self._chunks.get()
+            if item is None:
+                self._done = True
+                return 0
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+            self._out, self._pos = item, 0
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self):
+        if not self.closed:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self.stream.close()
+        super().close()
+
+
+DECOMPRESS_AHEAD = 4   # decompressed chunks (1 MiB each) held ahead of the parser
+
+
 def _open_binary(path: Path, counter: list):
     raw = _CountingReader(open(path, "rb"))
     counter.append(raw)
     name = path.name.lower()
     if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=io.BufferedReader(raw))
+        return io.BufferedReader(_DecompressAhead(gzip.GzipFile(fileobj=io.BufferedReader(raw))))
     if name.endswith(".zst"):
-        return io.BufferedReader(_ZstdReader(io.BufferedReader(raw)))
+        return io.BufferedReader(_DecompressAhead(io.BufferedReader(_ZstdReader(io.BufferedReader(raw)))))
     return io.BufferedReader(raw)
 
 
@@ -442,19 +513,27 @@ def _iter_parquet(path: Path, counter: list, columns):
 
 
 def _iter_parquet_rows(path: Path, counter: list, columns):
+    import pyarrow as pa
     import pyarrow.parquet as pq
-    f = pq.ParquetFile(path)
+    # Measured 2026-12-08, preprocessing a 100 MB Wikipedia parquet file (1,000-row groups):
+    # - pages read as they are decoded (pre_buffer off, a 1 MiB read buffer), in batches of
+    #   PARQUET_BATCH_ROWS rows: whole row groups, pre-buffered, peaked at 427 MiB, now 355;
+    # - Arrow's buffers from the system allocator: its default pool (mimalloc) kept what the
+    #   decoded batches had freed: 313 MiB and 2.6 s instead of 355 MiB and 3.3 s.
+    # (pyarrow's import alone is ~57 MiB; the same corpus as JSONL peaks at 231 MiB)
+    pa.set_memory_pool(pa.system_memory_pool())
+    f = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     names = set(f.schema_arrow.names)
     wanted = [c for c in columns if c in names] or None
-    raw = _CountingReader(open(path, "rb"))   # parquet reads the file itself; count by row groups
+    raw = _CountingReader(open(path, "rb"))   # parquet reads the file itself; counted by rows read
     counter.append(raw)
-    row = 0
-    for group in range(f.num_row_groups):
-        table = f.read_row_group(group, columns=wanted)
-        raw.count = int(path.stat().st_size * (group + 1) / f.num_row_groups)
-        for item in table.to_pylist():
+    row, total = 0, max(1, f.metadata.num_rows)
+    size = path.stat().st_size
+    for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted, use_threads=False):
+        for item in batch.to_pylist():
             row += 1
             yield Record(str(path), row, item)
+        raw.count = int(size * row / total)
 
 
 def _iter_hf_folder(path: Path, counter: list):

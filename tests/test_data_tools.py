@@ -1,6 +1,7 @@
 """data_tools: preprocessing into Megatron .bin/.idx, the byte layout, bad input, the CLIs."""
 import gzip
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -176,6 +177,37 @@ def test_every_input_format_gives_the_same_tokens(tmp_path):
         assert code == 0, name
         outputs[name] = Path(f"{prefix}.bin").read_bytes()
     assert len(set(outputs.values())) == 1, {k: len(v) for k, v in outputs.items()}
+
+
+def test_compressed_inputs_read_ahead_on_their_own_thread_lose_nothing(tmp_path):
+    """.gz and .zst inputs are inflated by a thread of their own (readers._DecompressAhead) in 1 MiB
+    chunks: a file of several chunks reads the same documents as its plain form, in order, and a
+    file cut short in its middle is refused with the count of lines read before the cut, as it was
+    when the reading thread inflated it itself."""
+    import zstandard
+
+    from data_tools.readers import InputError, Record, _DecompressAhead, iter_documents
+    rng = np.random.RandomState(0)
+    words = np.array([w for line in texts_of(FINEWEB)[:40] for w in line.split()])
+    lines = [json.dumps({"text": " ".join(rng.choice(words, 300)), "n": i}) for i in range(2500)]
+    plain = tmp_path / "a.jsonl"
+    write_lines(plain, lines)
+    raw = plain.read_bytes()
+    assert len(raw) > 4 * _DecompressAhead.CHUNK   # several chunks, and more than the read-ahead holds
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(raw))
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    expected = [(r.line, r.data) for r in iter_documents([plain])]
+    assert len(expected) == 2500
+    for name in ("a.jsonl.gz", "a.jsonl.zst"):
+        assert [(r.line, r.data) for r in iter_documents([tmp_path / name])] == expected, name
+        data = (tmp_path / name).read_bytes()
+        cut = tmp_path / ("cut." + name)
+        cut.write_bytes(data[: len(data) // 2])
+        read = []
+        with pytest.raises(InputError, match=rf"{cut.name} is truncated: .* after ([\d,]+) complete lines") as err:
+            read.extend(r for r in iter_documents([cut]) if isinstance(r, Record))
+        after = int(re.search(r"after ([\d,]+) complete", str(err.value))[1].replace(",", ""))
+        assert 500 < len(read) == after < 2500 and [r.data for r in read] == [row for _, row in expected[:after]]
 
 
 def test_partitions_and_merge(tmp_path, capsys):

@@ -211,6 +211,7 @@ def test_partitions_above_the_number_of_files_say_so(tmp_path, capsys):
     (["--tokenizer", str(GPT2), "--vocab-file", "v.json", "--merge-file", "m.txt"], r"two tokenizers given"),
     (["--split-sentences", "--tokenizer", str(GPT2)], r"--split-sentences: not supported here: sentence splitting"),
     (["--tokenizer", str(GPT2), "--log-interval", "0"], r"--log-interval 0: must be at least 1"),
+    (["--tokenizer", str(GPT2), "--tokenizer-cache-mib", "-1"], r"--tokenizer-cache-mib -1: must be 0 or more"),
 ])
 def test_tokenizer_and_flag_mistakes_are_refused_before_any_work(tmp_path, argv, mention):
     (tmp_path / "sp.model").write_bytes(b"\x0a\x0bnot really")
@@ -459,18 +460,17 @@ def test_a_tokenizer_gigatoken_cannot_encode_exactly_falls_back_in_one_line(tmp_
 
 def test_gigatoken_is_renewed_when_the_process_grows_and_its_ids_do_not_change(monkeypatch):
     """gigatoken caches every distinct word in its tokenizer object, without bound; the encoder
-    loads the tokenizer anew when the process has grown past RENEW_AFTER_BYTES (here: at every
-    batch), and the ids stay tokenizers' across the renewals."""
+    loads the tokenizer anew when the process has grown past its bound (--tokenizer-cache-mib; here:
+    at every batch), and the ids stay tokenizers' across the renewals."""
     pytest.importorskip("gigatoken", reason="gigatoken is in the test extra: pip install -e '.[test]'")
     from tokenizers import Tokenizer
 
     from data_tools import encoders
-    monkeypatch.setattr(encoders, "RENEW_AFTER_BYTES", -2**40)
     monkeypatch.setattr(encoders, "RENEW_MIN_CHARS", 1)
     reference = Tokenizer.from_file(str(GPT2))
     why, loaded = encoders.gigatoken_unavailable(reference)
     assert why is None
-    encoder = encoders.GigatokenEncoder(loaded, reference.to_str())
+    encoder = encoders.GigatokenEncoder(loaded, reference.to_str(), renew_after_bytes=-2**40)
     texts = [json.loads(line)["text"] for line in open(FINEWEB, encoding="utf-8")]
     for start in range(0, 60, 20):
         batch = texts[start:start + 20]
