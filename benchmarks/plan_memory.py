@@ -75,11 +75,43 @@ def _measure(rank, world, items, steps):
     return peak - before, stage
 
 
+def _train_and_save(rank, world, items):
+    from megatron_id.config import load_config
+    from megatron_id.training.engine import Trainer
+    trainer = Trainer(load_config([], items))
+    trainer.train()
+    trainer.close()
+
+
+def distill_runs(prefix, work: Path, steps: int):
+    """(stage, world, tp, items) of train.distill runs: a softmax teacher of the small model
+    (trained one step and saved) and its student with layers 0 and 2 converted to interdomain
+    (megatron-id convert), distilled in stage layers and in stage logits at TP=1 and TP=2."""
+    import shlex
+
+    from megatron_id.checkpoint.conversion import convert
+    from megatron_id.commands.import_hf import model_overrides
+    teacher, student = work / "teacher", work / "student"
+    run_distributed_ = __import__("distributed").run_distributed
+    run_distributed_(_train_and_save, 1, args=(items_for(prefix, SMALL, "softmax", 1, 1, 1, 0, 1) + [
+        f"train.save={teacher}", "optimizer.lr=1e-9", "optimizer.min_lr=0"],), timeout=900, collective_timeout=600)
+    convert(teacher, student, layer_pattern="IAIA", log=lambda *a, **k: None)
+    model = shlex.split(model_overrides(student))
+    out = []
+    for stage in ("layers", "logits"):
+        for world, tp in ((1, 1), (2, 2)):
+            items = items_for(prefix, SMALL, None, world, tp, 1, 0, steps) + model + [
+                f"train.load={student}", f"train.distill.teacher={teacher}", f"train.distill.stage={stage}"]
+            out.append((stage, world, tp, items))
+    return out
+
+
 def items_for(prefix, model, mixer, world, tp, pp, zero, steps):
     dp = world // (tp * pp)
     global_batch = 2 * dp   # micro-batch 1: gradient accumulation 2 (two micro-batches in flight at PP=2)
     seq = int([i for i in model if i.startswith("model.seq_length=")][0].split("=")[1])
-    return model + MIXER_ITEMS.get(mixer, [f"model.mixer={mixer}"]) + [f"data.data_path=[{prefix}]",
+    mixer_items = [] if mixer is None else MIXER_ITEMS.get(mixer, [f"model.mixer={mixer}"])
+    return model + mixer_items + [f"data.data_path=[{prefix}]",
                     "data.split=100,0,0",
                     f"parallel.tensor_model_parallel_size={tp}",
                     f"parallel.pipeline_model_parallel_size={pp}", f"train.zero_stage={zero}",
@@ -99,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--mixers", default="interdomain,softmax")
+    ap.add_argument("--distill", action="store_true", help="also train.distill's two stages (a softmax teacher of "
+                    "the small model, its IAIA student) at TP=1 and TP=2")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from data_tools.preprocess import main as preprocess
@@ -141,6 +175,18 @@ def main(argv=None) -> int:
                     print(f"{mixer:<12} {name:<10} {rank:>4} {stage:>5} {est / 2**20:>12.0f} "
                           f"{measured / 2**20:>12.0f} {ratio:>6.2f}{'' if ok else '  (off by > 25%)'}",
                           flush=True)
+        if args.distill:   # train.distill (issue 57): the teacher's weights and logits, frozen parameters
+            for stage, world, tp, items in distill_runs(prefix, work, args.steps):
+                cfg = load_config([], items)
+                layout = training_layout(cfg, world)
+                for rank, (measured, _) in enumerate(run(items, world, args.steps)):
+                    est = stage_memory(cfg, layout, 0, 0, checkpointing=False, overhead=overhead,
+                                       touched_only=True)["total"]
+                    ratio = est / measured
+                    ok = abs(ratio - 1) <= 0.25
+                    within.setdefault((f"distill-{stage}", f"tp{tp}"), []).append(ok)
+                    print(f"{'distill-' + stage:<12} {'tp' + str(tp):<10} {rank:>4} {0:>5} {est / 2**20:>12.0f} "
+                          f"{measured / 2**20:>12.0f} {ratio:>6.2f}{'' if ok else '  (off by > 25%)'}", flush=True)
         good = [key for key, oks in within.items() if all(oks)]
         print(f"within 25% on every rank: {len(good)} of {len(within)} (mixer, layout) pairs")
         return 0

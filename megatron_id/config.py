@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .data.gpt_dataset import Verify  # numpy-only: the data checks' modes
 from .errors import UserError
+from .model.rope import RopeScalingError, check_scaling
 from .model.spec import LETTER_MIXERS, MIXER_SPECS, CoreImpl, Mixer, ModelConfig, Readout, ffn_hidden_size  # noqa: F401
 
 
@@ -714,6 +715,10 @@ def resolve(cfg: Config, given=None) -> Config:
     for key, ok, why in checks:
         if not ok:
             raise ConfigError(f"model.{key}={getattr(m, key)} is invalid: it {why}.")
+    try:
+        check_scaling(m.rope_scaling)
+    except RopeScalingError as err:
+        raise ConfigError(str(err)) from None
     _check_attention_switches(m)
     _check_ranges(cfg)
     p = cfg.parallel

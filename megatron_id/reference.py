@@ -50,6 +50,7 @@ PEER_FLAGS = {
     "model.norm_eps": ("--norm-epsilon", "rms_norm_epsilon"),
     "model.init_std": ("--init-method-std", "init_method_std"),
     "model.rope_theta": ("--rotary-base", "rotary_emb_base"),
+    "model.rope_scaling": ("--use-rope-scaling, --rope-scaling-factor (llama3 only)", "-"),
     "model.state_size": ("--mamba-state-dim (Mamba's N)", "-"),
     "model.tie_embeddings": ("--untie-embeddings-and-output-weights (inverse)", "no_weight_tying (inverse)"),
     "model.make_vocab_size_divisible_by": ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by"),
@@ -342,7 +343,7 @@ def schema_keys() -> list[Key]:
     out: list[Key] = []
 
     def walk(cls, prefix):
-        hints = typing.get_type_hints(cls, vars(config_module))
+        hints = typing.get_type_hints(cls, {**vars(sys.modules[cls.__module__]), **vars(config_module)})
         for f in dataclasses.fields(cls):
             tp, name = hints[f.name], prefix + f.name
             if dataclasses.is_dataclass(tp):

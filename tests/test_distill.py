@@ -26,8 +26,13 @@ GPT2 = ROOT / "tests" / "data" / "gpt2-tokenizer.json"
 TINY = CONFIGS / "model" / "tiny.yaml"
 
 
-@pytest.mark.parametrize("temperature", [1.0, 2.5])
-def test_the_kl_over_sharded_logits_is_torchs_and_ignores_the_padding(temperature):
+@pytest.mark.parametrize("temperature, chunk_rows", [(1.0, None), (2.5, None), (2.5, 2), (1.0, 4)])
+def test_the_kl_over_sharded_logits_is_torchs_and_ignores_the_padding(temperature, chunk_rows, monkeypatch):
+    """Against torch's kl_div, in one chunk of tokens and in chunks of 2 and 4 of the 6 tokens
+    (the last one short): the per-token KL and the student's gradient."""
+    from megatron_id.parallel import layers
+    if chunk_rows:
+        monkeypatch.setattr(layers, "KL_CHUNK_ELEMENTS", chunk_rows * 16)
     torch.manual_seed(0)
     vocab, padded = 11, 16
     student = torch.randn(2, 3, padded, dtype=torch.float64, requires_grad=True)
@@ -180,3 +185,33 @@ def test_finetune_starts_a_new_run_at_step_0_from_another_runs_weights_and_a_bf1
     _, _, _, taught = read_checkpoint(teacher)
     assert client.step == 1
     assert max((weights[k] - taught[k]).abs().max().item() for k in taught) < 1e-6   # lr 1e-9: the teacher's
+
+
+def test_the_console_and_the_metrics_say_the_kl_and_the_next_token_loss_apart(fineweb_prefix, teacher, tmp_path,
+                                                                              capfd):
+    """Stage logits: the loss stepped on is kl_weight x T^2 x KL + lm_weight x LM loss; the console
+    line and the metrics file give the KL and the next-token loss apart, averaged over the data-
+    parallel ranks like the loss, and the perplexity is the next-token loss's (it was exp of the
+    whole objective). Stage layers: its loss is the MSE, and no perplexity is claimed for it."""
+    metrics = tmp_path / "logits.jsonl"
+    items = _items(fineweb_prefix, tmp_path / "logits", "model.layer_pattern=IA", f"train.distill.teacher={teacher}",
+                   "train.distill.stage=logits", "train.distill.temperature=2", "train.distill.lm_weight=0.5",
+                   "train.train_tokens=256", f"train.metrics_file={metrics}")   # 2 steps, 2 data-parallel ranks
+    run_distributed(_train, 2, (items,), timeout=300)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    err = capfd.readouterr().err
+    for r in rows:
+        kl, lm = r["train/distill_kl"], r["train/lm_loss"]
+        assert kl > 0 and 5 < lm < 15   # the converted student's own next-token loss, in nats
+        assert math.isclose(r["train/loss"], 1.0 * 2 ** 2 * kl + 0.5 * lm, rel_tol=1e-5)
+        assert math.isclose(r["train/perplexity"], math.exp(lm), rel_tol=1e-9)
+        assert f"loss {r['train/loss']:.4f} (kl {kl:.4f}, lm {lm:.4f}) | ppl {math.exp(lm):.1f} |" in err, err
+
+    metrics = tmp_path / "layers.jsonl"
+    items = _items(fineweb_prefix, tmp_path / "layers", "model.layer_pattern=IA", f"train.distill.teacher={teacher}",
+                   "train.distill.stage=layers", "train.train_tokens=128", f"train.metrics_file={metrics}")
+    run_distributed(_train, 1, (items,), timeout=300)
+    row = json.loads(metrics.read_text().splitlines()[0])
+    assert "train/perplexity" not in row and "train/distill_kl" not in row and row["train/loss"] > 0
+    assert f"loss {row['train/loss']:.6f} (mse of the converted mixers) |" in capfd.readouterr().err

@@ -205,6 +205,12 @@ def test_the_first_build_says_so_before_its_pause_and_when_it_is_done(monkeypatc
         assert "built" not in capsys.readouterr().err
 
 
+
+def inverse_frequencies(layer, dtype):
+    """The layer's RoPE inverse frequencies (model/rope.py)."""
+    head_dim, rope = layer.facts.rope
+    return rope.frequencies(head_dim, dtype=dtype)[0]
+
 @pytest.mark.parametrize("case", ["interdomain", "no query readout (contraction), dual input", "single kv input"])
 def test_the_kernel_updates_chosen_slots_of_strided_pages_in_place(case):
     """`rows` (the vLLM plugin's decode): row b updates slot rows[b] of conv tails and states that
@@ -226,7 +232,8 @@ def test_the_kernel_updates_chosen_slots_of_strided_pages_in_place(case):
     y = torch.randn(3, t["w_in"].shape[0], generator=g, dtype=torch.float64)
     rope = None
     if s.rotated:
-        angles = torch.tensor([3.0, 11.0, 7.0], dtype=torch.float64)[:, None] * decoder.rope_tables[layer.facts.rope]
+        positions = torch.tensor([3.0, 11.0, 7.0], dtype=torch.float64)
+        angles = positions[:, None] * inverse_frequencies(layer, torch.float64)
         rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
     copies = {"conv_tail": conv[rows].clone(), "state": state[rows].clone()}
     want = fixed_state_between_kernel(y, rope, {**t, **copies}, s, decoder.core)
@@ -260,7 +267,7 @@ def test_the_kernels_float32_path_equals_its_torch_reference(case, state_size):
         x = torch.randn(3, model.cfg.d_model, generator=g)
         rope = None
         if layer.static.rotated:
-            angles = torch.tensor([3.0, 11.0, 7.0])[:, None] * decoder.rope_tables[layer.facts.rope].float() + step
+            angles = torch.tensor([3.0, 11.0, 7.0])[:, None] * inverse_frequencies(layer, torch.float32) + step
             rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
         got = fixed_state_step(x, rope, ours, layer.static, decoder.core)
         want = fixed_state_step(x, rope, reference, layer.static)

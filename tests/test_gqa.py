@@ -56,7 +56,7 @@ def naive_attention(mixer, x, seq_idx=None, window=None, rope_offset=0):
     linear = lambda p: x @ p.weight.T + (p.bias if p.bias is not None else 0)   # noqa: E731
     q, k, v = (linear(p).view(B, N, -1, Dh) for p in (mixer.q_proj, mixer.k_proj, mixer.v_proj))
     if mixer.rope:
-        q, k = apply_rope(q, rope_offset, mixer.rope_theta), apply_rope(k, rope_offset, mixer.rope_theta)
+        q, k = apply_rope(q, rope_offset, mixer.rope_spec), apply_rope(k, rope_offset, mixer.rope_spec)
     H, Hkv = q.shape[2], k.shape[2]
     which = torch.tensor([i // (H // Hkv) for i in range(H)])
     k, v = k[:, :, which], v[:, :, which]                                          # [B, N, H, Dh]

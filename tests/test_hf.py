@@ -39,11 +39,11 @@ def _train_save_logits(rank, world, items, path):
     return engine_logits(trainer)
 
 
-def engine_logits(trainer):
-    """The engine's logits on the probe batch at its layout, gathered over TP; None on ranks
-    that do not hold them (all but the last pipeline stage)."""
+def engine_logits(trainer, batch=None):
+    """The engine's logits on the probe batch (or `batch`) at its layout, gathered over TP; None
+    on ranks that do not hold them (all but the last pipeline stage)."""
     from megatron_id.parallel import gather_logits, state
-    batch = probe_batch()
+    batch = probe_batch() if batch is None else batch
     with torch.no_grad():
         if trainer.pipelined:
             trainer.engine.reset_activation_shape()   # the probe is shorter than the training sequences

@@ -37,13 +37,41 @@ SHARDED = {"qwen2", "mistral-gqa"}
 QWEN2_GQA = ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, rms_norm_eps=1e-6))
 
 
+# RoPE scalings (model/rope.py), each on a tiny Llama with grouped-query attention, compared at
+# 300 tokens past the context the scaling starts from (64): Llama 3.x's shape (llama3, tied,
+# 2 key/value heads), and transformers' linear, yarn and dynamic
+ORIGINAL = 64
+SCALED = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM",
+               dict(num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=512,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": ORIGINAL})),
+    "linear": ("LlamaConfig", "LlamaForCausalLM",
+               dict(num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                             "factor": 4.0})),
+    "yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+             dict(num_key_value_heads=2, max_position_embeddings=256,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": ORIGINAL})),
+    "dynamic": ("LlamaConfig", "LlamaForCausalLM",
+                dict(num_key_value_heads=2, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                              "factor": 2.0})),
+}
+
+
+def long_batch():
+    """Token ids 300 past the scalings' original context."""
+    return torch.randint(0, VOCAB, (2, ORIGINAL + 300), generator=torch.Generator().manual_seed(7))
+
+
 def save_pretrained_model(folder, name: str, seed: int = 0):
     """A random tiny transformers model `name` (MODELS) saved with its tokenizer into `folder`;
     returns the model (eval mode). Weights N(0, 0.2), norms 1 + N(0, 0.2) and biases N(0, 0.2),
     so that logits spread far beyond the tolerance and no comparison rests on a zero or a one."""
     import transformers
-    config_class, model_class, extra = QWEN2_GQA if name == "qwen2-gqa" else MODELS[name]
-    config = getattr(transformers, config_class)(**SHAPE, **extra)
+    config_class, model_class, extra = QWEN2_GQA if name == "qwen2-gqa" else SCALED.get(name) or MODELS[name]
+    config = getattr(transformers, config_class)(**{**SHAPE, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
     generator = torch.Generator().manual_seed(seed)
@@ -73,11 +101,11 @@ def our_logits(checkpoint, batch=None):
         return model.eval()(probe_batch() if batch is None else batch)
 
 
-def export_logits(folder):
+def export_logits(folder, batch=None):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, local_files_only=True)
     with torch.no_grad():
-        return model.eval()(probe_batch(), use_cache=False).logits
+        return model.eval()(probe_batch() if batch is None else batch, use_cache=False).logits
 
 
 def max_error(a, b) -> float:
@@ -192,6 +220,117 @@ def test_import_at_tp2_pp2_runs_in_the_trainer_with_transformers_logits(pretrain
     assert max_error(export_logits(export_hf(ckpt, tmp_path / "hf")), want) < 1e-4
 
 
+# ---------------------------------------------------------------- RoPE scaling (Llama 3.x)
+
+@pytest.mark.parametrize("name", list(SCALED))
+def test_scaled_rope_imports_with_transformers_logits_past_the_original_context(tmp_path, name):
+    """A folder whose RoPE is scaled (Llama 3.x's llama3, and linear, yarn, dynamic) imports with
+    model.rope_scaling, and its logits 300 tokens past the original context are transformers'.
+    llama3 (tied, grouped-query attention) is exported back too: the export's logits are still
+    transformers'."""
+    from megatron_id.checkpoint.files import read_client_state
+    from megatron_id.hf.export import export_hf
+    model = save_pretrained_model(tmp_path / name, name)
+    batch = long_batch()
+    want = hf_logits(model, batch)
+    ckpt = import_hf(tmp_path / name, tmp_path / "ckpt")
+    cfg = read_client_state(ckpt / "iter_0000000").model_config()
+    assert cfg.rope_scaling["rope_type"] == name and cfg.rope_scaling["factor"] == \
+        model.config.rope_parameters["factor"]
+    got = our_logits(ckpt, batch)
+    assert max_error(got, want) < 1e-4, (name, max_error(got, want))
+    # not plain RoPE: without the scaling the same weights give other logits past the original context
+    plain = our_logits_with(ckpt, batch, rope_scaling=None)
+    assert max_error(plain[:, ORIGINAL:], want[:, ORIGINAL:]) > 1e-2
+    if name == "dynamic":   # a call within the original context is plain RoPE
+        short = batch[:, :ORIGINAL]
+        assert max_error(our_logits(ckpt, short), our_logits_with(ckpt, short, rope_scaling=None)) == 0
+    if name == "llama3":
+        assert cfg.tie_embeddings and cfg.n_kv_heads == 2
+        assert max_error(export_logits(export_hf(ckpt, tmp_path / "hf"), batch), want) < 1e-4
+
+
+def our_logits_with(checkpoint, batch, **model_changes):
+    """our_logits with fields of the checkpoint's model config changed."""
+    import dataclasses
+
+    from megatron_id.checkpoint.read import read_checkpoint
+    from megatron_id.model.language_model import LanguageModel
+    _, _, cfg, state = read_checkpoint(checkpoint)
+    model = LanguageModel(dataclasses.replace(cfg, **model_changes), seed=None)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(batch)
+
+
+def _logits_of_long_batch(rank, world, items):
+    from megatron_id.training.engine import Trainer
+    return engine_logits(Trainer(load_config([], items)), long_batch())
+
+
+@pytest.mark.slow
+def test_llama3_shaped_import_at_tp2_pp2_has_transformers_logits_past_the_original_context(
+        fineweb_prefix, tmp_path, capsys):
+    """Llama 3.x's shape (llama3 RoPE scaling, tied, grouped-query attention) written at TP=2 x PP=2
+    by the CLI: the trainer at that layout, given the model by the overrides the command prints
+    (model.rope_scaling among them, quoted for a shell), computes transformers' logits 300 tokens
+    past the original context."""
+    import shlex
+
+    from megatron_id.cli import main
+    model = save_pretrained_model(tmp_path / "llama3", "llama3")
+    want = hf_logits(model, long_batch())
+    ckpt = tmp_path / "ckpt"
+    assert main(["import-hf", "--checkpoint", str(tmp_path / "llama3"), "--output", str(ckpt),
+                 "--tensor-parallel", "2", "--pipeline-parallel", "2"]) == 0
+    said = capsys.readouterr().out
+    overrides = shlex.split(said.rsplit("and its model: ", 1)[1].strip().rstrip(")"))
+    assert any(o.startswith("model.rope_scaling={") for o in overrides), said
+    items = train_items(fineweb_prefix, 2, 2, "softmax") + overrides + [f"train.load={ckpt}"]
+    results = run_distributed(_logits_of_long_batch, 4, args=(items,), timeout=300)
+    got = next(r for r in results if r is not None)
+    assert max_error(got, want) < 1e-4, max_error(got, want)
+
+
+# ---------------------------------------------------------------- sliding windows
+
+WINDOWED = {   # name: (config class, model class, fields, the layer pattern it imports as)
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8), "WW"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
+                                                      sliding_window=8, max_window_layers=1), "AW"),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_sliding_windows_import_as_w_layers_with_transformers_logits(tmp_path, name):
+    """Mistral's sliding_window (every layer) and Qwen2's (use_sliding_window, from
+    max_window_layers on) import as W layers of model.window tokens: transformers' logits over
+    40 tokens, 5 windows of 8, and not those of full attention."""
+    import transformers
+
+    from megatron_id.checkpoint.files import read_client_state
+    config_class, model_class, extra, pattern = WINDOWED[name]
+    config = getattr(transformers, config_class)(**{**SHAPE, **extra})
+    assert config.sliding_window == 8
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for pname, parameter in model.named_parameters():
+            noise = 0.2 * torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(1 + noise if pname.endswith("norm.weight") else noise)
+    model.save_pretrained(tmp_path / name)
+    shutil.copy(TOKENIZER, tmp_path / name / "tokenizer.json")
+    batch = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    want = hf_logits(model, batch)
+    ckpt = import_hf(tmp_path / name, tmp_path / "ckpt")
+    cfg = read_client_state(ckpt / "iter_0000000").model_config()
+    assert (cfg.layer_pattern, cfg.window) == (pattern, 8)
+    assert max_error(our_logits(ckpt, batch), want) < 1e-4
+    full = our_logits_with(ckpt, batch, layer_pattern=None, window=None)
+    assert max_error(full[:, :8], want[:, :8]) < 1e-4 and max_error(full, want) > 1e-2   # past the window
+
+
 # ---------------------------------------------------------------- refused before any work
 
 def write_config(folder, config: dict):
@@ -214,17 +353,23 @@ for _key in ("use_sliding_window", "max_window_layers", "layer_types"):
 
 REFUSED = {   # name: (config.json, the line's pattern)
     "rope_scaling": ({**LLAMA_CONFIG, "rope_parameters": None, "rope_theta": 10000.0,
-                      "rope_scaling": {"type": "linear", "factor": 2.0}},
-                     r'rope_scaling.type="linear" is not supported: RoPE here is plain'),
+                      "rope_scaling": {"type": "longrope", "factor": 2.0}},
+                     r'rope_scaling.type="longrope" is not supported: RoPE here is plain or scaled by linear, '
+                     r'dynamic, yarn, llama3'),
     "rope_parameters llama3": ({**LLAMA_CONFIG, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5,
                                                                      "factor": 8.0}},
-                               r'rope_parameters.rope_type="llama3" is not supported'),
-    "mistral sliding_window": ({**MISTRAL, "sliding_window": 4096},
-                               r"sliding_window=4096 is not supported: this import reads full causal attention"),
-    "qwen2 use_sliding_window": ({**QWEN2, "use_sliding_window": True, "sliding_window": 4096},
-                                 r"use_sliding_window=true is not supported"),
-    "layer_types": ({**QWEN2, "layer_types": ["full_attention", "sliding_attention"]},
-                    r'layer_types=\["sliding_attention"\] is not supported'),
+                               r"rope_parameters makes an invalid RoPE scaling \(model.rope_scaling \(rope_type "
+                               r"llama3\) lacks low_freq_factor, high_freq_factor"),
+    "rope_parameters llama3 extra": ({**LLAMA_CONFIG, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "beta_fast": 32}}, r"rope_parameters.beta_fast=32 is not supported: llama3 scaling here reads factor, "),
+    "layer_types": ({**QWEN2, "layer_types": ["full_attention", "chunked_attention"]},
+                    r'layer_types=\["chunked_attention"\] is not supported: layers here are full_attention or '
+                    r'sliding_attention'),
+    "llama sliding": ({**LLAMA_CONFIG, "layer_types": ["full_attention", "sliding_attention"],
+                       "sliding_window": 8}, r'layer_types=\["sliding_attention"\] is not supported: '
+                                             r'LlamaForCausalLM has no sliding window'),
+    "sliding_window": ({**MISTRAL, "sliding_window": 0}, r"sliding_window=0 is not supported: expected a positive"),
     "mlp_bias": ({**LLAMA_CONFIG, "mlp_bias": True}, r"mlp_bias=true is not supported: the SwiGLU here has no "
                  r"biases"),
     "hidden_act": ({**LLAMA_CONFIG, "hidden_act": "gelu"}, r'hidden_act="gelu" is not supported'),
@@ -252,6 +397,19 @@ def test_what_the_model_cannot_express_is_refused_by_field(tmp_path, case):
     with pytest.raises(UnsupportedModelError, match=pattern) as err:
         import_hf(folder, tmp_path / "out", tensor_parallel=2)
     assert "\n" not in str(err.value) and "nothing was written" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrained"]
+
+
+def test_one_key_value_head_at_tp2_is_refused_naming_n_kv_heads(tmp_path):
+    """A Llama with one key/value head (its 4 query heads and its SwiGLU do split by 2): the
+    refusal names n_kv_heads=1, not the sizes that divide, before any weight is read."""
+    from megatron_id.errors import UserError
+    folder = write_config(tmp_path / "pretrained", {**LLAMA_CONFIG, "num_key_value_heads": 1})
+    with pytest.raises(UserError) as err:
+        import_hf(folder, tmp_path / "out", tensor_parallel=2)
+    assert str(err.value).startswith(f"--tensor-parallel 2 cannot split the model of {folder}: model.n_kv_heads=1 "
+                                     f"does not divide by 2 (model.n_heads=4, SwiGLU hidden size=96 do)")
+    assert "Valid --tensor-parallel values for this model: 1." in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrained"]
 
 

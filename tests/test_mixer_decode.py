@@ -13,6 +13,7 @@ from torch import nn
 from megatron_id.inference.fused_decode import FusedDecodeError, FusedDecoder, fused_decode_refusal, kv_cache_bytes
 from megatron_id.inference.generate import generate_ids
 from megatron_id.model.mixers.decode import DecodeFacts
+from megatron_id.model.rope import Rope
 
 
 class Hidden(nn.Module):
@@ -125,7 +126,7 @@ def test_facts_and_cache_sizes_come_from_the_mixers():
     assert [f.needs_capacity for f in facts] == [False, True, False, False]
     d, H = model.cfg.d_model, model.cfg.n_heads
     assert all(isinstance(f, DecodeFacts) for f in facts)
-    assert [f.rope for f in facts] == [(d // H, model.cfg.rope_theta)] * 3 + [None]   # S4D-only: no RoPE
+    assert [f.rope for f in facts] == [(d // H, Rope(model.cfg.rope_theta))] * 3 + [None]   # S4D-only: no RoPE
     assert kv_cache_bytes(model, 3, 40) == (2 * 3 * (40 + 5) * d * 4, 2)   # float32: 4 bytes
     buffers = model.layers[1].mixer.allocate_decode_state(3, 40, device="meta")
     assert {k: (tuple(v.shape), v.device.type) for k, v in buffers.items()} == \

@@ -142,3 +142,40 @@ def test_cli_fails_when_nothing_fits_and_on_bad_sizes(capsys):
     assert main(["plan", "--config", str(SMALL), "--nodes", "0", "--gpus-per-node", "4",
                  "--gpu-memory", "40GiB"]) == 2
     assert "--nodes 0: must be at least 1" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_distillation_counts_the_teacher_and_trains_only_the_converted_mixers(monkeypatch):
+    """train.distill (issue 57: the plan printed the same memory for both stages, as plain
+    training): both stages add the teacher's weights (in its dtype) and its logits; stage logits
+    trains the whole student and keeps the KL's gradient ([tokens, V/TP] float32); stage layers
+    has gradients and Adam's state for the converted mixers' parameters alone and keeps their
+    activations, not the student's LM head's. The measured side is benchmarks/plan_memory.py --distill."""
+    from megatron_id.model.accounting import build_on_meta
+    from megatron_id.parallel.layout import padded_vocab_size
+    from megatron_id.training import plan as planner
+    from megatron_id.training.plan import stage_memory
+    teacher = load_config([SMALL], ["model.mixer=softmax"]).model
+    monkeypatch.setattr(planner, "_teacher_model", lambda path: teacher)
+    student = ["model.layer_pattern=IAAAAAAAAAAI", "train.global_batch_size=2", "parallel.tensor_model_parallel_size=2"]
+    tokens, vocab_local = 1 * teacher.seq_length, padded_vocab_size(teacher, 2) // 2
+
+    def terms(*extra):
+        cfg = load_config([SMALL], student + list(extra))
+        return stage_memory(cfg, training_layout(cfg, 2), 0, 0, checkpointing=False, overhead=0)
+    plain = terms()
+    teacher_params = stage_parameters(load_config([SMALL], ["model.mixer=softmax"]), 2, 1)[0]
+    logits = terms("train.distill.teacher=t", "train.distill.stage=logits")
+    assert logits["teacher"] == 4 * teacher_params + 4 * tokens * vocab_local
+    assert logits["activations"] == plain["activations"] + 4 * tokens * vocab_local
+    assert (logits["gradients"], logits["optimizer"]) == (plain["gradients"], plain["optimizer"])
+    layers = terms("train.distill.teacher=t", "train.distill.stage=layers")
+    model = build_on_meta(load_config([SMALL], student).model)
+    converted = sum(p.numel() for name, p in model.named_parameters()
+                    if name.startswith(("layers.0.mixer.", "layers.11.mixer.")))
+    assert 0 < layers["gradients"] < plain["gradients"] / 10
+    # TP=2 halves the mixers' split parameters: between a half and the whole of the converted count
+    assert converted / 2 <= layers["gradients"] / 4 < converted
+    assert layers["optimizer"] == 2 * layers["gradients"] and layers["activations"] < plain["activations"] / 3
+    assert layers["teacher"] == logits["teacher"] and layers["total"] < plain["total"] < logits["total"]
+    half = terms("train.distill.teacher=t", "train.distill.stage=logits", "train.distill.teacher_dtype=bfloat16")
+    assert half["teacher"] == logits["teacher"] // 2

@@ -2,6 +2,9 @@
 transformers folder (as a softmax model: hf/llama.py), -> a training checkpoint at any TP/PP."""
 from __future__ import annotations
 
+import json
+import shlex
+
 from .options import MISMATCH_HELP, add_verify_arg
 
 
@@ -51,6 +54,8 @@ def model_overrides(checkpoint) -> str:
     from ..model.spec import ModelConfig
 
     def said(value) -> str:
+        if isinstance(value, dict):   # model.rope_scaling: compact JSON, which the override parser reads
+            return shlex.quote(json.dumps(value, separators=(",", ":")))
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     defaults = model_config_dict(ModelConfig())
     model = read_client_state(checkpoint_folder(checkpoint)).model

@@ -24,7 +24,7 @@ OPS = ["ops/segments.py", "ops/interdomain/ssm.py", "ops/interdomain/naive.py", 
        "ops/interdomain/chunked.py", "ops/interdomain/__init__.py", "ops/attention.py"]
 MIXER_MODULES = sorted(f"model/mixers/{path.name}" for path in (PACKAGE / "model" / "mixers").glob("*.py")
                        if path.name != "__init__.py")
-MODULES = ["model/spec.py", *OPS, "model/roles.py", "model/layers.py", "model/init.py", *MIXER_MODULES,
+MODULES = ["model/spec.py", *OPS, "model/roles.py", "model/rope.py", "model/layers.py", "model/init.py", *MIXER_MODULES,
            "model/mixers/__init__.py", "model/pattern.py", "model/language_model.py", "model/accounting.py",
            "inference/fused_decode.py"]
 # inference/fused_decode.py (the fused decode step, which the export's generate decodes with)

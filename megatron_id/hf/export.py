@@ -595,10 +595,21 @@ def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
             return False
     if not fits(tp):
         valid = ", ".join(str(t) for t in range(1, cfg.n_heads + 1) if fits(t))
+        # what does not divide, first: the key/value heads of grouped-query attention (a Llama
+        # with one KV head splits its 4 query heads and its SwiGLU at TP=2, not its one KV head)
+        sizes = [("model.n_heads", cfg.n_heads, "heads")]
+        if cfg.n_kv_heads is not None:
+            sizes.append(("model.n_kv_heads", cfg.n_kv_heads, "key/value heads"))
+        sizes.append(("SwiGLU hidden size", ffn_hidden_size(cfg), "share of the SwiGLU"))
+        failing = [f"{name}={n}" for name, n, _ in sizes if n % tp]
+        held = [f"{name}={n}" for name, n, _ in sizes if not n % tp]
+        verb = "does" if len(failing) == 1 else "do"
+        also = f" ({', '.join(held)} {'does' if len(held) == 1 else 'do'})" if held and failing else ""
         raise BadOptionError(
-            f"--tensor-parallel {tp} cannot split the model of {folder} (model.n_heads={cfg.n_heads}, SwiGLU "
-            f"hidden size {ffn_hidden_size(cfg)}): every tensor-parallel rank keeps whole heads and an equal "
-            f"share of the SwiGLU. Valid --tensor-parallel values for this model: {valid}.")
+            f"--tensor-parallel {tp} cannot split the model of {folder}: {', '.join(failing) or 'its vocabulary'} "
+            f"{verb if failing else 'does'} not divide by {tp}{also}; every tensor-parallel rank "
+            f"keeps whole heads, whole key/value heads and an equal share of the SwiGLU. Valid --tensor-parallel "
+            f"values for this model: {valid}.")
 
 
 def import_hf(folder, output, tensor_parallel: int = 1, pipeline_parallel: int = 1,

@@ -5,8 +5,10 @@ Qwen2ForCausalLM or MistralForCausalLM is the decoder of model/language_model.py
 model.mixer=softmax: RoPE in the half-split layout (model/layers.py apply_rope, HF's
 rotate_half), SwiGLU, RMSNorm in float32, grouped-query attention (model.n_kv_heads) and
 Qwen2's q/k/v biases (model.qkv_bias). `transformers_model_config` maps config.json to a
-ModelConfig and refuses, naming the config.json field, what this model cannot express (RoPE
-scaling, sliding windows, MLP or output-projection biases, another activation or head width),
+ModelConfig (RoPE scaled as Llama 3.x's llama3, linear, dynamic or yarn: model.rope_scaling) and
+reads sliding windows as W layers (model.layer_pattern, model.window), and refuses, naming the
+config.json field, what this model cannot express (another RoPE scaling, MLP or
+output-projection biases, another activation or head width),
 before any weight is read. `TransformersWeights` reads the safetensors files (model.safetensors,
 else the shards model.safetensors.index.json names: transformers' order) memory-mapped, and
 gives each TP rank of the checkpoint to write only its own rows or columns, one rank at a time,
@@ -39,6 +41,7 @@ from ..checkpoint.read import local_slice
 from ..config import Config, ConfigError, resolve
 from ..errors import UserError
 from ..model.language_model import LanguageModel
+from ..model.rope import SCALINGS, RopeScalingError, check_scaling
 from ..model.spec import ModelConfig
 from ..parallel.tensor_parallel import Split, padded_vocab_size, parameter_role
 
@@ -138,8 +141,9 @@ def transformers_model_config(folder: Path, config: dict) -> ModelConfig:
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim != d // heads:
         raise refuse("head_dim", head_dim, f"heads here are hidden_size / num_attention_heads = {d // heads} wide")
-    # RoPE: rope_theta (transformers 4) or rope_parameters (5); no scaling of either kind
-    theta = config.get("rope_theta", 10000.0)
+    # RoPE: rope_theta (transformers 4) or rope_parameters (5), with a scaling (model/rope.py)
+    # as transformers computes it: llama3 (Llama 3.1-3.3), linear, dynamic, yarn
+    theta, scaling = config.get("rope_theta", 10000.0), None
     for field in ("rope_scaling", "rope_parameters"):
         rope = config.get(field)
         if rope is None:
@@ -148,25 +152,67 @@ def transformers_model_config(folder: Path, config: dict) -> ModelConfig:
             raise refuse(field, rope, "expected an object")
         key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"   # (4.x wrote `type`)
         rope_type = rope.get(key, "default")
-        if rope_type != "default":
-            raise refuse(f"{field}.{key}", rope_type, "RoPE here is plain (rope_type default): no scaling "
-                         "(linear, dynamic, yarn, longrope, llama3)")
+        if rope_type != "default" and rope_type not in SCALINGS:
+            raise refuse(f"{field}.{key}", rope_type, f"RoPE here is plain or scaled by {', '.join(SCALINGS)} "
+                         "(as transformers computes them)")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise refuse(f"{field}.partial_rotary_factor", rope["partial_rotary_factor"],
                          "RoPE here turns every dimension of a head")
         theta = rope.get("rope_theta", theta)
+        if rope_type == "default":
+            continue
+        required, optional = SCALINGS[rope_type]
+        extra = sorted(set(rope) - set(required) - set(optional) - {"rope_type", "type", "rope_theta",
+                                                                   "partial_rotary_factor"})
+        if extra:
+            raise refuse(f"{field}.{extra[0]}", rope[extra[0]], f"{rope_type} scaling here reads "
+                         f"{', '.join(required + tuple(optional))}")
+        scaling = {"rope_type": rope_type, **{k: rope[k] for k in (*required, *optional) if k in rope}}
+        # the context the scaling starts from, where transformers takes it: dynamic from
+        # max_position_embeddings; llama3 and yarn from a top-level original_max_position_embeddings
+        # (Phi-3's place), else their own, else max_position_embeddings
+        top = config.get("max_position_embeddings")
+        if rope_type == "dynamic":
+            scaling["original_max_position_embeddings"] = top
+        elif rope_type in ("llama3", "yarn"):
+            scaling["original_max_position_embeddings"] = config.get(
+                "original_max_position_embeddings", scaling.get("original_max_position_embeddings", top))
+        original = scaling.get("original_max_position_embeddings")
+        if rope_type == "yarn" and scaling.get("factor") is None and top and original:
+            scaling["factor"] = top / original
+        try:
+            check_scaling(scaling)
+        except RopeScalingError as err:
+            raise UnsupportedModelError(f"{path}: {field} makes an invalid RoPE scaling ({err}); {nothing}.") from None
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise refuse("partial_rotary_factor", config["partial_rotary_factor"], "RoPE here turns every dimension")
-    # sliding windows (Mistral's sliding_window, Qwen2's use_sliding_window / layer_types)
-    if kind == "mistral" and config.get("sliding_window") is not None:
-        raise refuse("sliding_window", config["sliding_window"], "this import reads full causal attention only "
-                     "(a folder whose sliding_window is null)")
-    if kind == "qwen2" and config.get("use_sliding_window"):
-        raise refuse("use_sliding_window", True, "this import reads full causal attention only")
-    sliding = [t for t in config.get("layer_types") or [] if t != "full_attention"]
-    if sliding:
-        raise refuse("layer_types", sorted(set(sliding)), "this import reads full causal attention only "
-                     "(every layer full_attention)")
+    # sliding windows, as transformers reads them: Mistral's sliding_window on every layer; Qwen2's
+    # sliding_window where use_sliding_window is set, on the layers layer_types names
+    # sliding_attention (by default those from max_window_layers on). Those layers become W
+    # layers (model.layer_pattern) whose query sees model.window tokens, itself included, as
+    # transformers' mask (kv > q - sliding_window)
+    window = config.get("sliding_window")
+    if kind == "qwen2" and not config.get("use_sliding_window"):
+        window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise refuse("sliding_window", window, "expected a positive number of tokens")
+    types = config.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != layers):
+        raise refuse("layer_types", types, f"expected one entry per layer (num_hidden_layers={layers})")
+    if kind == "mistral":
+        types = ["full_attention" if window is None else "sliding_attention"] * layers
+    elif types is None:
+        start = config.get("max_window_layers", layers) if kind == "qwen2" else layers
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention"
+                 for i in range(layers)]
+    other = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise refuse("layer_types", other, "layers here are full_attention or sliding_attention")
+    if kind == "llama" and "sliding_attention" in types:
+        raise refuse("layer_types", ["sliding_attention"], f"{arch} has no sliding window (transformers' Llama "
+                     "attends to every earlier token)")
+    # a sliding_attention layer without a window (use_sliding_window false) attends to everything
+    pattern = "".join("W" if t == "sliding_attention" and window is not None else "A" for t in types)
     # biases: Qwen2's q, k and v always; Llama's attention_bias puts one on o_proj too
     # (Mistral's attention has no biases whatever the field says)
     qkv_bias = kind == "qwen2"
@@ -179,12 +225,15 @@ def transformers_model_config(folder: Path, config: dict) -> ModelConfig:
     values = dict(mixer="softmax", vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, ffn_hidden=ffn,
                   seq_length=config.get("max_position_embeddings") or ModelConfig.seq_length,
                   norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope=True,
+                  rope_scaling=scaling,
                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
     std = config.get("initializer_range")
     if isinstance(std, (int, float)) and not isinstance(std, bool) and std > 0:
         values["init_std"] = float(std)   # how new parameters would start; the imported ones are read
     if kv != heads:
         values["n_kv_heads"] = kv   # grouped-query attention
+    if "W" in pattern:
+        values.update(layer_pattern=pattern, window=window)
     if qkv_bias:
         values["qkv_bias"] = True
     try:

@@ -224,13 +224,9 @@ class FusedDecoder:
         self.layers = [_Layer(block, slots, capacity, real_update=compile) for block in model.layers]
         self.block = torch.compile(fixed_state_block, dynamic=False) if compile else fixed_state_block
         self.core, self.kernel = self._kernel(kernel, device, model.lm_head.weight.dtype, compile)
-        # RoPE's inverse frequencies, one table per (head dim, theta) in use
-        self.rope_tables = {}
-        dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
-        for layer in self.layers:
-            if layer.facts.rope:
-                Dh, theta = layer.facts.rope
-                self.rope_tables[(Dh, theta)] = theta ** (-torch.arange(0, Dh, 2, device=device, dtype=dtype) / Dh)
+        # RoPE's (head dim, Rope) pairs in use: their angles once a step for all layers
+        self.ropes = {layer.facts.rope for layer in self.layers if layer.facts.rope}
+        self.rope_dtype = torch.promote_types(model.lm_head.weight.dtype, torch.float32)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.lengths = [0] * slots      # host copy of positions (no device sync per step)
         self.embed, self.lm_head = model.embed.weight.detach(), model.lm_head.weight.detach()
@@ -315,9 +311,9 @@ class FusedDecoder:
             raise FusedDecodeError(f"a sequence reached the KV cache's capacity of {self.capacity} tokens.")
         positions = self.positions[:n]
         rope = {}
-        for (Dh, theta), inv_freq in self.rope_tables.items():
-            angles = positions.to(inv_freq.dtype)[:, None] * inv_freq                # [n, D/2]
-            rope[(Dh, theta)] = (angles.cos()[:, None, :], angles.sin()[:, None, :])
+        for Dh, spec in self.ropes:
+            cos, sin = spec.angles(positions, Dh, self.rope_dtype)                   # [n, D/2]
+            rope[(Dh, spec)] = (cos[:, None, :], sin[:, None, :])
         lengths = [length + 1 for length in self.lengths[:n]]
         h = self.embed[tokens]
         for layer in self.layers:

@@ -206,7 +206,7 @@ def _attention_probabilities(mixer, x: torch.Tensor) -> tuple[torch.Tensor, torc
     shape = (B, N, -1, mixer.head_dim)
     q, k = mixer.q_proj(x).view(shape), mixer.k_proj(x).view(shape)
     if mixer.rope:
-        q, k = apply_rope(q, 0, mixer.rope_theta), apply_rope(k, 0, mixer.rope_theta)
+        q, k = apply_rope(q, 0, mixer.rope_spec), apply_rope(k, 0, mixer.rope_spec)
     k = repeat_kv(k, q.shape[2] // k.shape[2], 2)
     logits = torch.einsum("bnhd,bmhd->bhnm", q.float(), k.float()) / math.sqrt(mixer.head_dim)
     pos = torch.arange(N, device=x.device)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .roles import DECAY, NO_DECAY
+from .rope import Rope
 
 try:  # NVIDIA apex is optional (not on PyPI, CUDA only): fused RMSNorm when importable
     from apex.normalization.fused_layer_norm import fused_rms_norm_affine as _apex_rms_norm
@@ -93,27 +94,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * weight.to(xf.dtype)).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, offset, theta: float) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, offset, rope) -> torch.Tensor:
     """Rotary embedding on [B, N, H, D] at positions offset..offset+N-1; `offset` is an int, or
     a [B] tensor of per-row offsets (left-padded rows count positions from their first token),
     or a [B, N] tensor of the positions themselves (Megatron's position_ids: packed documents
-    that restart their positions, data.reset_position_ids).
+    that restart their positions, data.reset_position_ids). `rope`: a Rope (model/rope.py: the
+    base and a context-extension scaling), or a plain base.
 
     Half-split layout (pairs i and i + D/2, "rotate_half"), as in GPT-NeoX and HF Llama, so
     exported weights need no permutation. Angles are computed per call: no table, no length cap.
     """
     B, N, H, D = x.shape
     dtype = compute_dtype(x)
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)
+    rope = rope if isinstance(rope, Rope) else Rope(float(rope))
     if isinstance(offset, torch.Tensor):
         pos = offset.to(x.device, dtype)
         pos = pos if pos.dim() == 2 else pos[:, None] + torch.arange(N, device=x.device, dtype=dtype)
-        angles = pos[..., None] * inv_freq                    # [B, N, D/2]
-        cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+        cos, sin = rope.angles(pos, D, dtype)                          # [B, N, D/2]
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     else:
-        pos = torch.arange(offset, offset + N, device=x.device, dtype=dtype)
-        angles = torch.outer(pos, inv_freq)                   # [N, D/2]
-        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+        cos, sin = rope.angles(torch.arange(offset, offset + N, device=x.device, dtype=dtype), D, dtype)   # [N, D/2]
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     x1, x2 = x.to(dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 

@@ -16,7 +16,7 @@ import math
 import typing
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Any, Dict, Optional
 
 
 class Readout(str, Enum):
@@ -136,6 +136,9 @@ class ModelConfig:
     norm_eps: float = 1e-6            # RMSNorm's epsilon
     init_std: float = 0.02            # N(0, std) weights; residual output projections std/sqrt(2L)
     rope_theta: float = 10000.0       # RoPE's base
+    # a pretrained model's context-extension scaling of RoPE, in transformers' keys (rope_type
+    # linear, dynamic, yarn or llama3 and that type's factors: model/rope.py); None: plain RoPE
+    rope_scaling: Optional[Dict[str, Any]] = None
     state_size: int = 64              # M, basis functions (modes) per head of the interdomain / S4D core
     conv_kernel: int = 4              # short causal depthwise conv
     chunk_size: int = 64              # T of the chunked training form

@@ -187,40 +187,65 @@ def vocab_parallel_cross_entropy(logits_local, target, group, vocab_size: int):
     return _VocabParallelCrossEntropy.apply(logits_local, target, group, start, vocab_size)
 
 
+# [our choice] rows of the KL's float32 work at a time: at most this many elements per
+# [rows, V_local] temporary (64 MiB), as the fused LM-head loss's chunks
+KL_CHUNK_ELEMENTS = 16 * 2**20
+
+
 class _VocabParallelKL(torch.autograd.Function):
     """KL(teacher || student) per token over vocabulary-sharded logits, both divided by the
-    temperature first; the gradient reaches the student's logits only."""
+    temperature first; the gradient reaches the student's logits only.
+
+    In chunks of tokens, with the gradient made in forward (as the fused LM-head loss does): the
+    per-token gradient of KL is (q - p) / T, q and p the two softmaxes, so forward keeps that one
+    [tokens, V_local] tensor for backward to scale by the incoming per-token gradient. The whole-
+    batch form kept q and p and made both softmaxes' log, exp and product temporaries of the whole
+    batch (~10 float32 [tokens, V_local] tensors at its peak: 14x a 125M teacher's bytes at stage
+    logits, issue 57); this one holds one, plus a chunk's temporaries."""
 
     @staticmethod
     def forward(ctx, student, teacher, group, vocab_start, vocab_size, temperature):
         n_local = student.shape[-1]
+        shape = student.shape[:-1]
+        s2, t2 = student.reshape(-1, n_local), teacher.reshape(-1, n_local)
+        rows = max(1, KL_CHUNK_ELEMENTS // n_local)
         padding = torch.arange(vocab_start, vocab_start + n_local, device=student.device) >= vocab_size
+        tp = group_size(group) > 1
 
         def log_softmax(logits):   # (log-probabilities, probabilities) across the group's shards
-            logits = (logits.float() / temperature).masked_fill(padding, float("-inf"))
+            logits = (logits.float() / temperature).masked_fill_(padding, float("-inf"))
             peak = logits.max(dim=-1).values
-            if group_size(group) > 1:
+            if tp:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            shifted = logits - peak[..., None]
-            exp = shifted.exp()
+            logits -= peak[:, None]
+            exp = logits.exp()
             total = exp.sum(dim=-1)
-            if group_size(group) > 1:
+            if tp:
                 dist.all_reduce(total, group=group)
-            return shifted - total.log()[..., None], exp / total[..., None]
-        log_q, q = log_softmax(student)
-        log_p, p = log_softmax(teacher)
-        # p log(p / q); the padding's 0 x (-inf - -inf) and a teacher probability of exactly 0 count 0
-        kl = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(dim=-1)
-        if group_size(group) > 1:
+            return logits.sub_(total.log()[:, None]), exp.div_(total[:, None])
+        kl = torch.empty(s2.shape[0], dtype=torch.float32, device=student.device)
+        grad = torch.empty(s2.shape, dtype=student.dtype, device=student.device) if ctx.needs_input_grad[0] else None
+        for a in range(0, s2.shape[0], rows):
+            b = min(a + rows, s2.shape[0])
+            log_q, q = log_softmax(s2[a:b])
+            log_p, p = log_softmax(t2[a:b])
+            # p log(p / q); the padding's 0 x (-inf - -inf) and a teacher probability of exactly 0 count 0
+            kl[a:b] = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(dim=-1)
+            if grad is not None:
+                grad[a:b] = (q - p).div_(temperature)
+        if tp:
             dist.all_reduce(kl, group=group)
-        ctx.save_for_backward(q, p)
-        ctx.temperature, ctx.dtype = temperature, student.dtype
-        return kl
+        ctx.grad = grad
+        return kl.reshape(shape)
 
     @staticmethod
     def backward(ctx, grad):
-        q, p = ctx.saved_tensors
-        return ((q - p) * (grad[..., None] / ctx.temperature)).to(ctx.dtype), None, None, None, None, None
+        if ctx.grad is None:
+            raise RuntimeError("the vocab-parallel KL was differentiated twice; its gradient is made in forward "
+                               "and used once (retain_graph is not supported).")
+        out, ctx.grad = ctx.grad, None
+        out.mul_(grad.reshape(-1, 1).to(out.dtype))
+        return out.reshape(*grad.shape, out.shape[-1]), None, None, None, None, None
 
 
 def vocab_parallel_kl(student_local, teacher_local, group, vocab_size: int, temperature: float = 1.0):

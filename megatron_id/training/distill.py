@@ -200,6 +200,9 @@ class Distillation:
         self.layers = converted_layers(cfg.model, self.source.cfg)
         if self.stage == DistillStage.layers:
             freeze_all_but_converted_mixers(student, self.layers)
+        # stage logits: the step's KL and next-token loss apart (the console's loss is their weighted
+        # sum; its ppl is the next-token loss's, as without distillation), summed over micro-batches
+        self.sums: dict[str, torch.Tensor] = {}
 
     def layers_loss(self, student, inputs: torch.Tensor, extra: dict) -> torch.Tensor:
         """Stage layers: mean over the converted layers of the MSE between the student's mixer and
@@ -230,8 +233,22 @@ class Distillation:
         """Stage logits: the weighted KL to the teacher's logits plus the weighted next-token loss."""
         with torch.no_grad():
             teacher_logits = self.teacher(inputs, **extra)
-        kl = vocab_parallel_kl(student_logits, teacher_logits, self.tp_group, self.vocab_size, self.temperature)
-        return self.kl_weight * self.temperature ** 2 * masked_mean(kl, mask) + self.lm_weight * lm_loss
+        kl = masked_mean(vocab_parallel_kl(student_logits, teacher_logits, self.tp_group, self.vocab_size,
+                                           self.temperature), mask)
+        for name, value in (("kl", kl), ("lm_loss", lm_loss)):
+            self.sums[name] = self.sums.get(name, 0) + value.detach().float()
+        return self.kl_weight * self.temperature ** 2 * kl + self.lm_weight * lm_loss
+
+    def step_parts(self, group, count: int) -> dict[str, float]:
+        """The step's mean KL and next-token loss over its `count` micro-batches of all data-parallel
+        ranks (`group`), then cleared; {} in stage layers (its loss is the MSE itself)."""
+        if not self.sums:
+            return {}
+        names = sorted(self.sums)
+        totals = torch.stack([self.sums[n].reshape(()) for n in names])
+        dist.all_reduce(totals, group=group)
+        self.sums = {}
+        return {name: value / count for name, value in zip(names, totals.tolist())}
 
 
 def _dtype(model) -> torch.dtype:

@@ -754,6 +754,15 @@ class Trainer:
         self.last_timing = self.timer.result()
         return loss
 
+    def _loss_parts(self) -> dict | None:
+        """What the step's loss is made of, for the console and the scalars: with train.distill,
+        stage logits' KL and next-token loss, stage layers' MSE (no perplexity); None without."""
+        if self.distill is None:
+            return None
+        if self.distill.stage == DistillStage.layers:
+            return {"objective": "mse"}
+        return dict(getattr(self, "last_parts", {}), objective="kl")
+
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last step (before clipping); inf if it was skipped."""
         if self.last_skipped:
@@ -785,8 +794,11 @@ class Trainer:
             total += loss.detach().float()
         self.guard.end_of_step()
         dist.all_reduce(total, group=state.get_data_parallel_group())
+        count = self.layout.gradient_accumulation * self.layout.gradient_replicas
+        if self.distill is not None:
+            self.last_parts = self.distill.step_parts(state.get_data_parallel_group(), count)
         self.step += 1
-        return total.item() / (self.layout.gradient_accumulation * self.layout.gradient_replicas)
+        return total.item() / count
 
     # ------------------------------------------------------------ the loop
 
@@ -830,7 +842,7 @@ class Trainer:
                 self._count_nonfinite()
                 roll_back = spike_hooks.observe(self, losses[-1], metrics)
                 metrics.step(self.step, losses[-1], self.last_lr, self.grad_norm(), start_step,
-                             skipped=self.skipped_steps, timing=self.last_timing)
+                             skipped=self.skipped_steps, timing=self.last_timing, parts=self._loss_parts())
                 if self.step % self.cfg.train.eval_interval == 0 or self.step == end:
                     for name, loss in self.evaluate_all().items():
                         metrics.validation(self.step, loss, name)

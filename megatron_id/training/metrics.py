@@ -122,15 +122,24 @@ class Metrics:
         return step == self.start_step + 1 or step % self.interval == 0 or step == self.layout.train_iters
 
     def step(self, step: int, loss: float, lr: float, grad_norm, start_step: int, skipped: int = 0,
-             timing: dict | None = None) -> dict:
+             timing: dict | None = None, parts: dict | None = None) -> dict:
+        """parts (train.distill): {"objective": "kl", "kl": ..., "lm_loss": ...} in stage logits, whose
+        loss is their weighted sum and whose perplexity is the next-token loss's; {"objective": "mse"}
+        in stage layers, whose loss is the MSE and has no perplexity."""
         now = time.time()
         seconds, self.last = now - self.last, now
         tokens_per_s = self.layout.tokens_per_step / max(seconds, 1e-9)
         tflops = self.flops_per_token * tokens_per_s / 1e12 / self.devices
-        values = {"loss": loss, "perplexity": perplexity(loss), "lr": lr,
+        parts = parts or {}
+        lm_loss = parts.get("lm_loss", None if parts else loss)
+        values = {"loss": loss, "lr": lr,
                   "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
                   "mfu": tflops / self.peak if self.peak else 0.0, "memory_gib": memory_gib(),
                   "skipped_steps": skipped}
+        if lm_loss is not None:
+            values["perplexity"] = perplexity(lm_loss)
+        if "kl" in parts:
+            values["distill_kl"], values["lm_loss"] = parts["kl"], parts["lm_loss"]
         if grad_norm is not None and math.isfinite(float(grad_norm)):
             values["grad_norm"] = float(grad_norm)
         for phase, value in (timing or {}).items():
@@ -139,8 +148,14 @@ class Metrics:
         if self.is_logger and self.logs(step):
             done = step - start_step
             eta = (now - self.start) / max(done, 1) * (self.layout.train_iters - step)
-            print(f"step {step}/{self.layout.train_iters} {progress_bar(step / self.layout.train_iters)} | "
-                  f"loss {loss:.4f} | ppl {values['perplexity']:.1f} | "
+            if "kl" in parts:   # the objective, its parts, and the perplexity of the next-token loss
+                said = (f"loss {loss:.4f} (kl {parts['kl']:.4f}, lm {parts['lm_loss']:.4f}) | "
+                        f"ppl {values['perplexity']:.1f}")
+            elif parts.get("objective") == "mse":
+                said = f"loss {loss:.6f} (mse of the converted mixers)"
+            else:
+                said = f"loss {loss:.4f} | ppl {values['perplexity']:.1f}"
+            print(f"step {step}/{self.layout.train_iters} {progress_bar(step / self.layout.train_iters)} | {said} | "
                   f"lr {lr:.2e} | grad {values.get('grad_norm', float('nan')):.3f} | "
                   f"{tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev | MFU {100 * values['mfu']:.2f}% | "
                   f"mem {values['memory_gib']:.2f} GiB | skipped {skipped} | ETA {eta:,.0f} s",

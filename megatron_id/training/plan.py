@@ -51,6 +51,11 @@ replicated; vocabulary padded as parallel/tensor_parallel.py pads it):
                (16 bytes per token and local vocabulary entry: four fp32 [tokens, V/TP] tensors
                at its peak; PP > 1: + 4 for the logits DeepSpeed's PipelineEngine keeps in its
                second output buffer, `pipe_buffers['outputs']` in deepspeed/runtime/pipe/engine.py).
+- distillation train.distill (distill_memory): the teacher's weights in its dtype and its logits;
+               stage logits keeps the KL's gradient (4 bytes per token and local vocabulary entry);
+               stage layers trains (gradients, Adam) and keeps activations of the converted
+               mixers only, plus the teacher's input and output of each. benchmarks/plan_memory.py
+               --distill measures both stages.
 - overhead     a constant per process (CUDA context, NCCL, allocator): an assumption on GPUs
                (--overhead, default 2 GiB); measured on CPU by benchmarks/plan_memory.py.
 
@@ -303,23 +308,72 @@ def _with(cfg: Config, tp: int, pp: int, zero: int, mb: int) -> Config:
 def stage_memory(cfg: Config, layout, zero: int, stage: int, *, checkpointing: bool,
                  overhead: float, bucket_elements: int = ZERO_BUCKET_ELEMENTS,
                  touched_only: bool = False) -> dict:
-    """Bytes per term on one rank of pipeline stage `stage` (module docstring)."""
+    """Bytes per term on one rank of pipeline stage `stage` (module docstring; train.distill:
+    distill_memory)."""
     tp, pp, dp = layout.tensor, layout.pipe, layout.data
     P = stage_parameters(cfg, tp, pp)[stage]
+    bf16 = cfg.train.precision.value == "bf16"
+    activations = stage_activation_bytes(cfg, stage, pp, tp, layout.micro_batch_size, layout.gradient_accumulation,
+                                         checkpointing, bf16)
+    trained, largest, teacher = P, largest_parameter(cfg, tp, pp, stage), 0
+    if cfg.train.distill.teacher is not None:
+        trained, largest, activations, teacher = distill_memory(cfg, tp, layout.micro_batch_size, activations,
+                                                                checkpointing, bf16)
     terms = dict(
         parameters=P,
         weights=4 * P,
-        gradients=4 * P if zero < 2 else 4 * math.ceil(P / dp),
-        optimizer=8 * P if zero == 0 else 8 * math.ceil(P / dp),
-        zero_buffers=zero_buffer_bytes(zero, P, dp, bucket_elements, touched_only),
-        optimizer_step=optimizer_step_bytes(zero, P, dp, largest_parameter(cfg, tp, pp, stage) if zero == 0 else 0,
-                                            on_cpu=touched_only),
-        activations=stage_activation_bytes(cfg, stage, pp, tp, layout.micro_batch_size,
-                                           layout.gradient_accumulation, checkpointing,
-                                           cfg.train.precision.value == "bf16"),
+        gradients=4 * trained if zero < 2 else 4 * math.ceil(trained / dp),
+        optimizer=8 * trained if zero == 0 else 8 * math.ceil(trained / dp),
+        zero_buffers=zero_buffer_bytes(zero, trained, dp, bucket_elements, touched_only),
+        optimizer_step=optimizer_step_bytes(zero, trained, dp, largest if zero == 0 else 0, on_cpu=touched_only),
+        activations=activations,
+        teacher=teacher,
         overhead=overhead)
     terms["total"] = sum(v for k, v in terms.items() if k != "parameters")
     return terms
+
+
+_TEACHERS: dict = {}
+
+
+def _teacher_model(path: str):
+    """The teacher's model config (training/distill.py reads it from its files), once per path."""
+    if path not in _TEACHERS:
+        from .distill import TeacherSource
+        _TEACHERS[path] = TeacherSource.read(path).cfg
+    return _TEACHERS[path]
+
+
+def distill_memory(cfg: Config, tp: int, micro_batch: int, activations: float, checkpointing: bool,
+                   bf16: bool) -> tuple[int, int, float, float]:
+    """train.distill (training/distill.py; no pipeline there): (parameters trained, the largest of
+    them, activation bytes, the teacher's bytes) on one TP rank.
+    - the teacher: its weights in train.distill.teacher_dtype, and its logits [tokens, V / TP],
+      which its forward makes in both stages (without gradients: nothing else of it stays);
+    - stage logits: the student trains whole; the KL keeps its gradient from forward to backward
+      (4 bytes per token and local vocabulary entry: parallel/layers.py _VocabParallelKL);
+    - stage layers: only the converted mixers train (gradients and Adam's state of theirs alone),
+      and only their activations are kept (each converted block's, an upper bound: the student's
+      FFN does not run), plus the teacher's input and output of each converted layer (the hooks';
+      2 x 4 bytes per token and channel); the student's LM head and loss do not run."""
+    from .distill import converted_layers
+    d, m = cfg.train.distill, cfg.model
+    teacher = _teacher_model(d.teacher)
+    tokens = micro_batch * m.seq_length
+    vocab_local = padded_vocab_size(m, tp) // tp
+    width = 2 if d.teacher_dtype.value == "bfloat16" else 4
+    teacher_bytes = width * stage_parameters(dataclasses.replace(cfg, model=teacher), tp, 1)[0] \
+        + width * tokens * vocab_local
+    table = _parameter_table(cfg)
+    if d.stage.value == "logits":
+        trained = stage_parameters(cfg, tp, 1)[0]
+        return trained, largest_parameter(cfg, tp, 1, 0), activations + 4 * tokens * vocab_local, teacher_bytes
+    layers = converted_layers(m, teacher)
+    sizes = [n // (tp if split else 1) for i in layers for name, n, split in table[f"layers.{i}"]
+             if ".mixer." in name]
+    kept = sum(block_activation_bytes(cfg, micro_batch, tp, bf16, i) for i in layers) \
+        + len(layers) * 2 * 4 * tokens * m.d_model
+    return sum(sizes), max(sizes, default=0), kept, teacher_bytes
 
 
 def estimate(cfg: Config, layout, zero: int, gpu_memory: float, *, checkpointing: bool,

@@ -187,16 +187,16 @@ class FixedStateLayer(MambaBase, nn.Module):
             self.tables, self.static = self.mixer.decode_tables()
             rope = self.mixer.decode_facts().rope
             self.rope_key = ("rope", rope)
-            self.inv_freq = None if rope is None else rope[1] ** (
-                -torch.arange(0, rope[0], 2, device=x.device, dtype=state_dtype(x.dtype)) / rope[0])
+            self.rope = rope
             self.kernel = fixed_state_kernel(x)
             self.linears = ((cpu_linear(self.tables["w_in"]), cpu_linear(self.tables["o_proj"]))
                             if current_platform.is_cpu() else None)
         rope = None
-        if self.inv_freq is not None:   # the layers of a model share their RoPE: its tables once a step
+        if self.rope is not None:   # the layers of a model share their RoPE: its tables once a step
             if self.rope_key not in step:
-                angles = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq
-                step[self.rope_key] = (angles.cos()[:, None, :].contiguous(), angles.sin()[:, None, :].contiguous())
+                head_dim, spec = self.rope
+                cos, sin = spec.angles(positions, head_dim, state_dtype(x.dtype))
+                step[self.rope_key] = (cos[:, None, :].contiguous(), sin[:, None, :].contiguous())
             rope = step[self.rope_key]
         if self.kernel is not None and self.linears is not None:
             # the C++ core between vLLM's GEMMs, on the requests' slots in vLLM's pages in place
@@ -257,8 +257,8 @@ class AttentionLayer(nn.Module):
         q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
         if m.rope:   # the model's own RoPE (half-split, as vLLM's neox style), at vLLM's positions
             T = x.shape[0]
-            q = apply_rope(q.view(1, T, -1, self.head_dim), positions[None], m.rope_theta).view(T, -1)
-            k = apply_rope(k.view(1, T, -1, self.head_dim), positions[None], m.rope_theta).view(T, -1)
+            q = apply_rope(q.view(1, T, -1, self.head_dim), positions[None], m.rope_spec).view(T, -1)
+            k = apply_rope(k.view(1, T, -1, self.head_dim), positions[None], m.rope_spec).view(T, -1)
         return m.o_proj(self.attn(q, k, v))
 
 

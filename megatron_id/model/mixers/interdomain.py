@@ -52,6 +52,7 @@ from ..layers import (
     short_conv,
 )
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL, SSM_PER_HEAD, SSM_SHARED_NORM, WITH_HEADS
+from ..rope import Rope
 from ..spec import mixer_module
 from .decode import DecodeFacts, FixedStateStatic, fixed_state_step, state_dtype
 
@@ -105,7 +106,7 @@ class InterdomainMixer(nn.Module):
         d, H, M = cfg.d_model, cfg.n_heads, cfg.state_size
         self.head_dim, self.state_size = d // H, M
         self.query_readout, self.dual_kv_input = cfg.query_readout, cfg.dual_kv_input
-        self.rope, self.rope_theta, self.readout = cfg.rope, cfg.rope_theta, cfg.readout.value
+        self.rope, self.rope_spec, self.readout = cfg.rope, Rope.of(cfg), cfg.readout.value
         self.chunk_size, self.form = cfg.chunk_size, form
         self.context_parallel = None   # parallel/context_parallel.py sets it: this rank runs one block
         self.core_impl = cfg.core_impl.value
@@ -194,7 +195,7 @@ class InterdomainMixer(nn.Module):
         else:
             key, value = conv("a_conv", x_k), conv("b_conv", x_v)
         if self.rope:
-            key = apply_rope(key, rope_offset, self.rope_theta)
+            key = apply_rope(key, rope_offset, self.rope_spec)
         if self.dual_kv_input:
             key = feature_map(key)
         key = only_real(norm("k_norm", key) + P["k_bias"])
@@ -203,7 +204,7 @@ class InterdomainMixer(nn.Module):
         if self.query_readout:
             query = conv("q_conv", x_q)
             if self.rope:
-                query = apply_rope(query, rope_offset, self.rope_theta)
+                query = apply_rope(query, rope_offset, self.rope_spec)
             query = feature_map(query)
         return query, key, value
 
@@ -359,7 +360,7 @@ class InterdomainMixer(nn.Module):
 
     def decode_facts(self) -> DecodeFacts:
         return DecodeFacts("interdomain", ("ssm", "conv"), fixed_size=True, needs_capacity=False,
-                           rope=(self.head_dim, self.rope_theta) if self.rope else None)
+                           rope=(self.head_dim, self.rope_spec) if self.rope else None)
 
     def decode_tables(self, real_update: bool = False) -> tuple[dict, FixedStateStatic]:
         """The step's parameter-only tensors: one input matrix [q | k | v | g] (the convolved

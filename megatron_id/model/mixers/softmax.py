@@ -27,6 +27,7 @@ from torch import nn
 from ...ops.attention import causal_attention, visible
 from ..layers import Linear, apply_rope, left_padding
 from ..roles import COLUMN_PARALLEL, ROW_PARALLEL
+from ..rope import Rope
 from ..spec import kv_heads, mixer_module
 from .decode import AttentionStatic, DecodeFacts, attention_step
 
@@ -81,7 +82,7 @@ class SoftmaxAttention(nn.Module):
         """form: how recurrent mixers run full sequences; attention has one form (ignored)."""
         super().__init__()
         d = cfg.d_model
-        self.head_dim, self.rope, self.rope_theta = d // cfg.n_heads, cfg.rope, cfg.rope_theta
+        self.head_dim, self.rope, self.rope_spec = d // cfg.n_heads, cfg.rope, Rope.of(cfg)
         self.window = cfg.window   # None: every earlier token
         d_kv = kv_heads(cfg) * self.head_dim   # d without GQA
         self.q_proj = Linear(d, d, cfg.init_std, bias=cfg.qkv_bias)
@@ -110,7 +111,7 @@ class SoftmaxAttention(nn.Module):
         if position_ids is not None:
             rope_offset = position_ids
         if self.rope:
-            q, k = apply_rope(q, rope_offset, self.rope_theta), apply_rope(k, rope_offset, self.rope_theta)
+            q, k = apply_rope(q, rope_offset, self.rope_spec), apply_rope(k, rope_offset, self.rope_spec)
         if state:
             k, v = torch.cat([state["k"], k], dim=1), torch.cat([state["v"], v], dim=1)
         groups = q.shape[2] // k.shape[2]   # query heads per key/value head (1: no GQA)
@@ -144,7 +145,7 @@ class SoftmaxAttention(nn.Module):
 
     def decode_facts(self) -> DecodeFacts:
         return DecodeFacts("softmax", ("k", "v"), fixed_size=False, needs_capacity=self.window is None,
-                           rope=(self.head_dim, self.rope_theta) if self.rope else None)
+                           rope=(self.head_dim, self.rope_spec) if self.rope else None)
 
     def decode_tables(self, real_update: bool = False) -> tuple[dict, AttentionStatic]:
         """One input matrix [q | k | v] (with GQA its k and v parts are n_kv_heads heads), its
@@ -190,7 +191,7 @@ class SoftmaxAttention(nn.Module):
         groups = q.shape[2] // k.shape[2]   # (the key/value heads are gathered before they are repeated)
         if self.rope:
             offset = cp.rank * L if position_ids is None else position_ids
-            q, k = apply_rope(q, offset, self.rope_theta), apply_rope(k, offset, self.rope_theta)
+            q, k = apply_rope(q, offset, self.rope_spec), apply_rope(k, offset, self.rope_spec)
         seen = (cp.rank + 1) * L   # keys of later blocks are never attended to
         k_all = cp.gather(k)[:cp.rank + 1].transpose(0, 1).reshape(B, seen, *k.shape[2:])
         v_all = cp.gather(v)[:cp.rank + 1].transpose(0, 1).reshape(B, seen, *v.shape[2:])
