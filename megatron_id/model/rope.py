@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # rope_type -> (required keys, optional keys with their defaults)
 SCALINGS = {
@@ -93,9 +95,11 @@ class Rope:
         values = {**optional, **{k: v for k, v in scaling.items() if k != "rope_type"}}
         return cls(float(model_cfg.rope_theta), scaling["rope_type"], tuple(sorted(values.items())))
 
-    def frequencies(self, dim: int, device=None, dtype=torch.float32, length: int | None = None):
-        """(inverse frequencies [dim / 2], the factor on cos and sin) for heads `dim` wide; `length`:
-        the call's positions end there (only "dynamic" reads it)."""
+    def frequencies(self, dim: int, device=None, dtype=None, length: int | None = None):
+        """(inverse frequencies [dim / 2], the factor on cos and sin) for heads `dim` wide, in float32
+        unless `dtype`; `length`: the call's positions end there (only "dynamic" reads it)."""
+        import torch  # not at import: config.py checks model.rope_scaling here, and the CLI imports no torch
+        dtype = dtype or torch.float32
         p = dict(self.params)
         exponents = torch.arange(0, dim, 2, device=device, dtype=dtype) / dim
         base = self.theta
@@ -112,11 +116,11 @@ class Rope:
             return yarn_frequencies(inv_freq, dim, self.theta, p)
         return inv_freq, 1.0
 
-    def angles(self, positions: torch.Tensor, dim: int, dtype=torch.float32):
+    def angles(self, positions: torch.Tensor, dim: int, dtype=None):
         """(cos, sin) [..., dim / 2] at `positions` (any shape), the attention factor applied."""
         length = int(positions.max()) + 1 if self.kind == "dynamic" and positions.numel() else None
         inv_freq, factor = self.frequencies(dim, positions.device, dtype, length)
-        angles = positions.to(dtype)[..., None] * inv_freq
+        angles = positions.to(inv_freq.dtype)[..., None] * inv_freq
         cos, sin = angles.cos(), angles.sin()
         return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
@@ -127,6 +131,7 @@ def llama3_frequencies(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     original, factor = p["original_max_position_embeddings"], p["factor"]
     low, high = p["low_freq_factor"], p["high_freq_factor"]
     wavelength = 2 * math.pi / inv_freq
+    import torch
     scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
     smooth = (original / wavelength - low) / (high - low)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
@@ -138,6 +143,7 @@ def yarn_frequencies(inv_freq: torch.Tensor, dim: int, theta: float, p: dict):
     """YaRN: dimensions turning fewer than beta_slow times over the original context are
     interpolated (/ factor), more than beta_fast times kept, a linear ramp between; cos and sin are
     scaled by the attention factor."""
+    import torch
     factor, original = p["factor"], p["original_max_position_embeddings"]
 
     def mscale(scale, m=1.0):
