@@ -131,7 +131,11 @@ def test_a_teacher_the_student_cannot_follow_is_refused_before_any_work(teacher,
 
 @pytest.mark.slow
 def test_distillation_at_tp2_equals_tp1_trains_only_the_converted_mixer_and_resumes_exactly(
-        fineweb_prefix, teacher, tmp_path):
+        fineweb_prefix, teacher, tmp_path, capfd):
+    """... and the console and the metrics file say what each stage's loss is made of (issue 57):
+    stage logits the KL and the next-token loss apart (loss = kl_weight x T^2 x KL + lm_weight x
+    LM), its perplexity the next-token loss's (it was exp of the whole objective); stage layers
+    the MSE, with no perplexity."""
     from megatron_id.checkpoint.read import read_checkpoint
     from megatron_id.model import LanguageModel
     student = ["model.layer_pattern=IA", f"train.distill.teacher={teacher}", "train.distill.temperature=2",
@@ -142,7 +146,10 @@ def test_distillation_at_tp2_equals_tp1_trains_only_the_converted_mixer_and_resu
                                                record), timeout=300)[0]
 
     # stage layers: the MSE of layer 0's interdomain mixer against the teacher's attention
-    _, layers_1 = run("layers1", 1, "train.distill.stage=layers")
+    _, layers_1 = run("layers1", 1, "train.distill.stage=layers", f"train.metrics_file={tmp_path / 'layers.jsonl'}")
+    row = json.loads((tmp_path / "layers.jsonl").read_text().splitlines()[0])
+    assert "train/perplexity" not in row and "train/distill_kl" not in row and row["train/loss"] > 0
+    assert f"loss {row['train/loss']:.6f} (mse of the converted mixers) |" in capfd.readouterr().err
     _, layers_2 = run("layers2", 2, "train.distill.stage=layers", "parallel.tensor_model_parallel_size=2",
                       "train.zero_stage=2")
     assert layers_1[-1] < layers_1[0]
@@ -155,7 +162,16 @@ def test_distillation_at_tp2_equals_tp1_trains_only_the_converted_mixer_and_resu
     # stage logits at TP=1; at TP=2 killed after step 5 (checkpoints at 2 and 4), then resumed
     logits = ["train.distill.stage=logits", "train.distill.lm_weight=0.5", "train.save_interval=2",
               "train.train_tokens=768"]   # 6 steps
-    _, logits_1 = run("logits1", 1, *logits)
+    _, logits_1 = run("logits1", 1, *logits, f"train.metrics_file={tmp_path / 'logits.jsonl'}")
+    err = capfd.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "logits.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        kl, lm = r["train/distill_kl"], r["train/lm_loss"]
+        assert kl > 0 and 5 < lm < 15   # the converted student's own next-token loss, in nats
+        assert math.isclose(r["train/loss"], 1.0 * 2 ** 2 * kl + 0.5 * lm, rel_tol=1e-5)
+        assert math.isclose(r["train/perplexity"], math.exp(lm), rel_tol=1e-9)
+        assert f"loss {r['train/loss']:.4f} (kl {kl:.4f}, lm {lm:.4f}) | ppl {math.exp(lm):.1f} |" in err, err
     record = tmp_path / "killed.json"
     with pytest.raises(RankError):
         run("logits2", 2, *logits, "parallel.tensor_model_parallel_size=2", kill_after=5, record=str(record))
@@ -186,32 +202,3 @@ def test_finetune_starts_a_new_run_at_step_0_from_another_runs_weights_and_a_bf1
     assert client.step == 1
     assert max((weights[k] - taught[k]).abs().max().item() for k in taught) < 1e-6   # lr 1e-9: the teacher's
 
-
-def test_the_console_and_the_metrics_say_the_kl_and_the_next_token_loss_apart(fineweb_prefix, teacher, tmp_path,
-                                                                              capfd):
-    """Stage logits: the loss stepped on is kl_weight x T^2 x KL + lm_weight x LM loss; the console
-    line and the metrics file give the KL and the next-token loss apart, averaged over the data-
-    parallel ranks like the loss, and the perplexity is the next-token loss's (it was exp of the
-    whole objective). Stage layers: its loss is the MSE, and no perplexity is claimed for it."""
-    metrics = tmp_path / "logits.jsonl"
-    items = _items(fineweb_prefix, tmp_path / "logits", "model.layer_pattern=IA", f"train.distill.teacher={teacher}",
-                   "train.distill.stage=logits", "train.distill.temperature=2", "train.distill.lm_weight=0.5",
-                   "train.train_tokens=256", f"train.metrics_file={metrics}")   # 2 steps, 2 data-parallel ranks
-    run_distributed(_train, 2, (items,), timeout=300)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    err = capfd.readouterr().err
-    for r in rows:
-        kl, lm = r["train/distill_kl"], r["train/lm_loss"]
-        assert kl > 0 and 5 < lm < 15   # the converted student's own next-token loss, in nats
-        assert math.isclose(r["train/loss"], 1.0 * 2 ** 2 * kl + 0.5 * lm, rel_tol=1e-5)
-        assert math.isclose(r["train/perplexity"], math.exp(lm), rel_tol=1e-9)
-        assert f"loss {r['train/loss']:.4f} (kl {kl:.4f}, lm {lm:.4f}) | ppl {math.exp(lm):.1f} |" in err, err
-
-    metrics = tmp_path / "layers.jsonl"
-    items = _items(fineweb_prefix, tmp_path / "layers", "model.layer_pattern=IA", f"train.distill.teacher={teacher}",
-                   "train.distill.stage=layers", "train.train_tokens=128", f"train.metrics_file={metrics}")
-    run_distributed(_train, 1, (items,), timeout=300)
-    row = json.loads(metrics.read_text().splitlines()[0])
-    assert "train/perplexity" not in row and "train/distill_kl" not in row and row["train/loss"] > 0
-    assert f"loss {row['train/loss']:.6f} (mse of the converted mixers) |" in capfd.readouterr().err
