@@ -26,11 +26,10 @@ Encoders turn a list of texts into lists of ids:
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from megatron_id.allocator import release_freed_memory
+from megatron_id.allocator import release_freed_memory, resident_bytes
 from megatron_id.data.tokenizer import TokenizerError, byte_decoder, eod_id, load_tokenizer
 
 # --tokenizer-type values: Megatron-LM's (tools/preprocess_data.py, TokenizerConfig) and
@@ -246,15 +245,6 @@ def gigatoken_unavailable(tokenizer) -> tuple[str | None, object]:
 # the bound is a guard against runaway growth, which Wikipedia text (+20-30 MB, saturating) never meets.
 RENEW_AFTER_BYTES = 256 * 2**20
 RENEW_MIN_CHARS = 20_000_000
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux /proc; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class GigatokenEncoder:

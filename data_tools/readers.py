@@ -11,6 +11,8 @@ import gzip
 import io
 import json
 import os
+import queue
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -355,8 +357,6 @@ class _DecompressAhead(io.RawIOBase):
     CHUNK = 1 << 20
 
     def __init__(self, stream):
-        import queue
-        import threading
         self.stream = stream
         self._chunks = queue.Queue(maxsize=DECOMPRESS_AHEAD)
         self._stop = threading.Event()
@@ -375,7 +375,6 @@ class _DecompressAhead(io.RawIOBase):
 
     def _hand(self, item) -> bool:
         """Queue one item; False once the reader has closed the stream."""
-        import queue
         while not self._stop.is_set():
             try:
                 self._chunks.put(item, timeout=0.1)

@@ -70,7 +70,8 @@ def save_pretrained_model(folder, name: str, seed: int = 0):
     returns the model (eval mode). Weights N(0, 0.2), norms 1 + N(0, 0.2) and biases N(0, 0.2),
     so that logits spread far beyond the tolerance and no comparison rests on a zero or a one."""
     import transformers
-    config_class, model_class, extra = QWEN2_GQA if name == "qwen2-gqa" else SCALED.get(name) or MODELS[name]
+    config_class, model_class, extra = (QWEN2_GQA if name == "qwen2-gqa" else
+                                        SCALED.get(name) or WINDOWED.get(name) or MODELS[name])
     config = getattr(transformers, config_class)(**{**SHAPE, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -294,11 +295,12 @@ def test_llama3_shaped_import_at_tp2_pp2_has_transformers_logits_past_the_origin
 
 # ---------------------------------------------------------------- sliding windows
 
-WINDOWED = {   # name: (config class, model class, fields, the layer pattern it imports as)
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8), "WW"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
-                                                      sliding_window=8, max_window_layers=1), "AW"),
+WINDOWED = {   # name: (config class, model class, fields); WINDOW_PATTERNS: the layer pattern it imports as
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
+                                                             sliding_window=8, max_window_layers=1)),
 }
+WINDOW_PATTERNS = {"mistral-window": "WW", "qwen2-window": "AW"}
 
 
 @pytest.mark.parametrize("name", list(WINDOWED))
@@ -306,26 +308,14 @@ def test_sliding_windows_import_as_w_layers_with_transformers_logits(tmp_path, n
     """Mistral's sliding_window (every layer) and Qwen2's (use_sliding_window, from
     max_window_layers on) import as W layers of model.window tokens: transformers' logits over
     40 tokens, 5 windows of 8, and not those of full attention."""
-    import transformers
-
     from megatron_id.checkpoint.files import read_client_state
-    config_class, model_class, extra, pattern = WINDOWED[name]
-    config = getattr(transformers, config_class)(**{**SHAPE, **extra})
-    assert config.sliding_window == 8
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for pname, parameter in model.named_parameters():
-            noise = 0.2 * torch.randn(parameter.shape, generator=generator)
-            parameter.copy_(1 + noise if pname.endswith("norm.weight") else noise)
-    model.save_pretrained(tmp_path / name)
-    shutil.copy(TOKENIZER, tmp_path / name / "tokenizer.json")
+    model = save_pretrained_model(tmp_path / name, name)
+    assert model.config.sliding_window == 8
     batch = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
     want = hf_logits(model, batch)
     ckpt = import_hf(tmp_path / name, tmp_path / "ckpt")
     cfg = read_client_state(ckpt / "iter_0000000").model_config()
-    assert (cfg.layer_pattern, cfg.window) == (pattern, 8)
+    assert (cfg.layer_pattern, cfg.window) == (WINDOW_PATTERNS[name], 8)
     assert max_error(our_logits(ckpt, batch), want) < 1e-4
     full = our_logits_with(ckpt, batch, layer_pattern=None, window=None)
     assert max_error(full[:, :8], want[:, :8]) < 1e-4 and max_error(full, want) > 1e-2   # past the window

@@ -597,12 +597,12 @@ def _check_tensor_parallel(cfg, tp: int, folder: Path) -> None:
         valid = ", ".join(str(t) for t in range(1, cfg.n_heads + 1) if fits(t))
         # what does not divide, first: the key/value heads of grouped-query attention (a Llama
         # with one KV head splits its 4 query heads and its SwiGLU at TP=2, not its one KV head)
-        sizes = [("model.n_heads", cfg.n_heads, "heads")]
+        sizes = [("model.n_heads", cfg.n_heads)]
         if cfg.n_kv_heads is not None:
-            sizes.append(("model.n_kv_heads", cfg.n_kv_heads, "key/value heads"))
-        sizes.append(("SwiGLU hidden size", ffn_hidden_size(cfg), "share of the SwiGLU"))
-        failing = [f"{name}={n}" for name, n, _ in sizes if n % tp]
-        held = [f"{name}={n}" for name, n, _ in sizes if not n % tp]
+            sizes.append(("model.n_kv_heads", cfg.n_kv_heads))
+        sizes.append(("SwiGLU hidden size", ffn_hidden_size(cfg)))
+        failing = [f"{name}={n}" for name, n in sizes if n % tp]
+        held = [f"{name}={n}" for name, n in sizes if not n % tp]
         verb = "does" if len(failing) == 1 else "do"
         also = f" ({', '.join(held)} {'does' if len(held) == 1 else 'do'})" if held and failing else ""
         raise BadOptionError(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..allocator import resident_bytes
 from ..atomic import write_atomic_bytes
 from ..config import ConfigError, defaulted_keys
 from ..model.accounting import report
@@ -45,8 +46,7 @@ def progress_bar(fraction: float, width: int = 20) -> str:
 def memory_gib() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**30
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return (resident_bytes() or 0) / 2**30
 
 
 def defaults_that_decided(cfg) -> str:

@@ -364,11 +364,11 @@ def distill_memory(cfg: Config, tp: int, micro_batch: int, activations: float, c
     width = 2 if d.teacher_dtype.value == "bfloat16" else 4
     teacher_bytes = width * stage_parameters(dataclasses.replace(cfg, model=teacher), tp, 1)[0] \
         + width * tokens * vocab_local
-    table = _parameter_table(cfg)
     if d.stage.value == "logits":
         trained = stage_parameters(cfg, tp, 1)[0]
         return trained, largest_parameter(cfg, tp, 1, 0), activations + 4 * tokens * vocab_local, teacher_bytes
     layers = converted_layers(m, teacher)
+    table = _parameter_table(cfg)
     sizes = [n // (tp if split else 1) for i in layers for name, n, split in table[f"layers.{i}"]
              if ".mixer." in name]
     kept = sum(block_activation_bytes(cfg, micro_batch, tp, bf16, i) for i in layers) \
